@@ -1,0 +1,56 @@
+"""``kvpool``: one entry point, one subcommand module each.
+
+Each subcommand lives in its own module under ``kvpool.cli`` with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; they are imported lazily so that
+``kvpool inspect`` does not pay for torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvpool.cli.serve", "run a pool daemon (node + directory on one machine by default)"),
+    "inspect": ("kvpool.cli.inspect", "look inside a running pool: stats, blocks, prefix lookups"),
+    "top": ("kvpool.cli.top", "live view of a pool's stats, refreshed every second"),
+    "sim": ("kvpool.cli.sim", "replay a request trace through the scheduler policies (discrete-event)"),
+    "router": ("kvpool.cli.router", "run the cache-aware router daemon"),
+    "directory": ("kvpool.cli.directory", "run the cluster directory (master) service"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool",
+        description="kvpool: a global KV-cache pool for LLM serving. Run 'kvpool SUBCOMMAND --help' for details.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.startswith("kvpool"):
+                continue  # subcommand not built yet
+            raise
+        sub_parser = sub.add_parser(
+            name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

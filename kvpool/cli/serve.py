@@ -1,0 +1,47 @@
+"""Run a kvpool daemon: one process that is node + directory, the embedded single-machine
+default. Same-host clients (PoolClient) reach it over gRPC on 127.0.0.1 for control and
+map its shared-memory arena for data. Stop it with SIGTERM or Ctrl-C (graceful).
+
+Example:
+  kvpool serve --listen 127.0.0.1:7450 --capacity-bytes 8GiB
+  KVPOOL_CAPACITY_BYTES=8GiB kvpool serve --config kvpool.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpool.daemon.config_loader import add_daemon_arguments
+
+    add_daemon_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.core.errors import KVPoolError
+    from kvpool.daemon.config_loader import environ, load_config
+    from kvpool.daemon.server import PoolServer
+
+    try:
+        config = load_config(args, environ())
+    except KVPoolError as err:
+        print(f"kvpool serve: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        server = PoolServer(config)
+        server.start()
+    except KVPoolError as err:
+        print(f"kvpool serve: {err}", file=sys.stderr)
+        return 1
+    print(
+        f"kvpool: serving on {config.listen} (capacity {config.store.capacity_bytes} bytes); Ctrl-C or SIGTERM to stop",
+        file=sys.stderr,
+        flush=True,
+    )
+    return server.wait()

@@ -1,0 +1,269 @@
+"""``PoolClient``: the library serving engines link to reach a kvpool node on their host.
+
+    with PoolClient.connect("127.0.0.1:7450", spec, salt=b"tenant-a") as c:
+        hashes = c.hashes(token_ids)      # one 16-byte hash per full block
+        n = c.lookup(hashes)              # leading blocks present in the pool
+        c.put(hashes, blocks)             # blocks: [n, *spec.block_shape]
+        arr = c.get(hashes[:n])           # new array
+        c.get_into(hashes[:n], out)       # into the caller's buffer
+
+One control round trip per batch (gRPC on 127.0.0.1), one memcpy per block through
+the node's shared-memory arena, a checksum on each block at both ends. Releases of
+read leases ride on the next call (or ``close``); a lease never released expires after
+the daemon's lease TTL. A block that fails its checksum is a miss, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from kvpool.client.blocks import block_rows, read_rows, write_rows
+from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable, UnknownNamespace
+from kvpool.core.events import KVEvent
+from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes, unpack_hashes
+from kvpool.core.spec import KVSpec, Namespace
+from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, event_from_msg, spec_to_msg
+from kvpool.rpc.errors import from_rpc_error
+from kvpool.storage.arena import SharedArena
+
+log = logging.getLogger("kvpool.client")
+
+T = TypeVar("T")
+
+MAX_PENDING_RELEASES = 256
+DEFAULT_TIMEOUT_S = 10.0
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: int  # blocks written and committed by this call
+    already_present: int  # skipped: the pool had them
+    in_flight: int  # skipped: another writer is storing them now
+    checksum_failed: int  # written but rejected at commit (not stored)
+
+
+def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
+    return pool_pb2.HelloRequest(
+        hash_scheme=HASH_SCHEME,
+        protocol_version=PROTOCOL_VERSION,
+        spec=spec_to_msg(namespace.spec),
+        namespace=namespace.digest(),
+        spec_digest=namespace.spec.digest(),
+    )
+
+
+class PoolClient:
+    """Synchronous client of one same-host node. Safe to share between threads."""
+
+    def __init__(self, address: str, namespace: Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.spec = namespace.spec
+        self.timeout_s = timeout_s
+        self._ns_digest = namespace.digest()
+        self._channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._arena: SharedArena | None = None
+        self._pending_releases: list[int] = []
+        self._lock = threading.Lock()
+        self.node_id = ""
+        self.max_batch_blocks = 0
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        spec: KVSpec,
+        salt: bytes = b"",
+        adapter: str = "",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> PoolClient:
+        """Connect to the daemon at ``address``, register the namespace, map the arena."""
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s)
+        try:
+            client._hello()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _rpc(self, method: Callable[..., T], request: Any) -> T:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
+    def _hello(self) -> None:
+        reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
+        if reply.block_bytes != self.spec.block_bytes:
+            raise InvalidArgument(f"daemon reports {reply.block_bytes}-byte blocks, spec says {self.spec.block_bytes}")
+        if self._arena is None or self._arena.path != reply.arena_path:
+            if self._arena is not None:
+                self._arena.close()
+            self._arena = SharedArena.attach(reply.arena_path, reply.arena_bytes)
+        self.node_id = reply.node_id
+        self.max_batch_blocks = reply.max_batch_blocks
+
+    def _with_namespace(self, call: Callable[[], T]) -> T:
+        """Run ``call``; if the daemon forgot our namespace (it restarted), say hello again once."""
+        try:
+            return call()
+        except UnknownNamespace:
+            log.info("daemon at %s restarted: registering the namespace again", self.address)
+            with self._lock:
+                self._pending_releases.clear()  # leases of the old process are gone
+            self._hello()
+            return call()
+
+    def _take_releases(self) -> list[int]:
+        with self._lock:
+            taken, self._pending_releases = self._pending_releases, []
+        return taken
+
+    def _hashes_request(self, hashes: Sequence[bytes]) -> pool_pb2.HashesRequest:
+        if self.max_batch_blocks and len(hashes) > self.max_batch_blocks:
+            raise InvalidArgument(
+                f"{len(hashes)} blocks in one call; the daemon allows {self.max_batch_blocks}", hint="split the batch"
+            )
+        return pool_pb2.HashesRequest(
+            namespace=self._ns_digest, hashes=pack_hashes(hashes), release_lease_ids=self._take_releases()
+        )
+
+    @property
+    def arena(self) -> np.ndarray:
+        if self._arena is None:
+            raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
+        return self._arena.view
+
+    # -- API -----------------------------------------------------------------------------
+    def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
+        """The block-hash chain of a prompt in this client's namespace (full blocks only)."""
+        return block_hashes(self.namespace, token_ids, extras)
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` the pool holds now."""
+        if not hashes:
+            return 0
+        reply = self._with_namespace(lambda: self._rpc(self._stub.Lookup, self._hashes_request(hashes)))
+        return int(reply.hits)
+
+    def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
+        """Store blocks ([n, *spec.block_shape]) under ``hashes``; present ones are skipped."""
+        rows = block_rows(blocks, self.spec, "blocks")
+        if rows.shape[0] != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+        if not hashes:
+            return PutResult(0, 0, 0, 0)
+        start = self._with_namespace(lambda: self._rpc(self._stub.PutStart, self._hashes_request(hashes)))
+        if start.put_id == 0:
+            return PutResult(0, len(start.already_present), len(start.in_flight), 0)
+        try:
+            checksums = write_rows(self.arena, rows, start.indices, start.offsets)
+        except BaseException:
+            self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
+            raise
+        done = self._rpc(self._stub.PutCommit, pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums))
+        return PutResult(
+            int(done.committed), len(start.already_present), len(start.in_flight), len(done.checksum_failed)
+        )
+
+    def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Read the leading cached blocks of ``hashes`` into ``out`` ([>= n, *block_shape]).
+
+        Returns how many leading blocks were read and verified; rows past that are
+        untouched or partially written and must be recomputed by the caller.
+        """
+        rows = block_rows(out, self.spec, "out", writable=True)
+        if rows.shape[0] < len(hashes):
+            raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} were asked for")
+        if not hashes:
+            return 0
+        reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
+        if reply.lease_id == 0:
+            return 0
+        try:
+            return read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+        finally:
+            self._release_later(int(reply.lease_id))
+
+    def get(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """The leading cached blocks of ``hashes`` as a new array [hits, *block_shape]."""
+        out = np.empty((len(hashes), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        n = self.get_into(hashes, out)
+        return out[:n]
+
+    def remove(self, hashes: Sequence[bytes]) -> int:
+        if not hashes:
+            return 0
+        reply = self._with_namespace(lambda: self._rpc(self._stub.Remove, self._hashes_request(hashes)))
+        return int(reply.removed)
+
+    def pin(self, hashes: Sequence[bytes], ttl_ms: int | None = None) -> int:
+        """Pin present blocks: soft for ``ttl_ms`` (system prompts), hard when ttl_ms is None."""
+        request = pool_pb2.PinRequest(
+            namespace=self._ns_digest, hashes=pack_hashes(hashes), hard=ttl_ms is None, ttl_ms=ttl_ms or 0
+        )
+        return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
+
+    def unpin(self, hashes: Sequence[bytes]) -> int:
+        request = pool_pb2.PinRequest(namespace=self._ns_digest, hashes=pack_hashes(hashes), unpin=True)
+        return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(self._rpc(self._stub.Stats, pool_pb2.StatsRequest()).json)
+        return result
+
+    def snapshot(self) -> tuple[int, list[bytes]]:
+        """(last event seq, every block hash of this namespace on the node)."""
+        reply = self._rpc(self._stub.Snapshot, pool_pb2.SnapshotRequest(namespace=self._ns_digest))
+        return int(reply.last_seq), unpack_hashes(reply.hashes)
+
+    def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
+        """The node's KV events from ``from_seq`` on (blocks until they come). A gap in
+        ``seq`` means events were dropped: resync with ``snapshot``."""
+        try:
+            for msg in self._stub.Events(pool_pb2.EventsRequest(from_seq=from_seq)):
+                yield event_from_msg(msg)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise from_rpc_error(exc, self.address) from None
+
+    def flush_releases(self) -> None:
+        lease_ids = self._take_releases()
+        if lease_ids:
+            self._rpc(self._stub.Release, pool_pb2.ReleaseRequest(lease_ids=lease_ids))
+
+    def close(self) -> None:
+        try:
+            self.flush_releases()
+        except KVPoolError:
+            pass  # the daemon is gone; its leases went with it
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._channel.close()
+
+    def _release_later(self, lease_id: int) -> None:
+        with self._lock:
+            self._pending_releases.append(lease_id)
+            flush = len(self._pending_releases) >= MAX_PENDING_RELEASES
+        if flush:
+            self.flush_releases()

@@ -1,0 +1,91 @@
+"""Configuration types (frozen). Reading flags, files and env happens only in the
+daemon/CLI composition roots (``kvpool.daemon.config_loader``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.errors import InvalidArgument
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Limits of one node's host tier."""
+
+    capacity_bytes: int = 2 * GiB
+    slab_bytes: int = 16 * MiB
+    high_watermark: float = 0.95  # evict when a put would push usage above this fraction
+    low_watermark: float = 0.85  # ...down to this fraction
+    lease_ttl_ms: int = 10_000  # a read lease not released by then is dropped
+    put_ttl_ms: int = 30_000  # a put not committed by then is reclaimed (writer died)
+    max_batch_blocks: int = 65_536  # most blocks one call may name
+    max_leases: int = 100_000  # most read leases held at once
+    max_pending_puts: int = 10_000  # most puts between start and commit at once
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0 or self.slab_bytes <= 0:
+            raise InvalidArgument("capacity_bytes and slab_bytes must be positive")
+        if self.capacity_bytes < self.slab_bytes:
+            raise InvalidArgument(
+                f"capacity_bytes {self.capacity_bytes} is smaller than one slab ({self.slab_bytes})",
+                hint="raise --capacity-bytes or lower --slab-bytes",
+            )
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise InvalidArgument(
+                f"watermarks must satisfy 0 < low ({self.low_watermark}) <= high ({self.high_watermark}) <= 1"
+            )
+        for name in ("lease_ttl_ms", "put_ttl_ms", "max_batch_blocks", "max_leases", "max_pending_puts"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be positive")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The tiers beyond host DRAM. An empty ``disk_dir`` means no disk tier; a zero
+    ``device_capacity_bytes`` means no device (HBM) tier."""
+
+    host_policy: str = "lru"  # eviction policy of the host tier
+    disk_dir: str = ""
+    disk_capacity_bytes: int = 16 * GiB
+    disk_slab_file_bytes: int = 1 * GiB  # each preallocated slab file
+    disk_policy: str = "lru"
+    disk_admission: str = "all"  # "all" | "second-hit": skip one-hit blocks on disk
+    disk_io_threads: int = 4
+    write_behind_queue_blocks: int = 1024  # bounded host -> disk queue
+    device_capacity_bytes: int = 0
+    device: str = "cuda"  # "cuda", or "cpu" only behind the test switch
+    device_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.disk_admission not in ("all", "second-hit"):
+            raise InvalidArgument(f"disk_admission {self.disk_admission!r} is not 'all' or 'second-hit'")
+        for name in ("disk_capacity_bytes", "disk_slab_file_bytes", "disk_io_threads", "write_behind_queue_blocks"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be positive")
+        if self.device_capacity_bytes < 0:
+            raise InvalidArgument("device_capacity_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``kvpool serve`` needs. See ``kvpool serve --help`` for each field."""
+
+    listen: str = "127.0.0.1:7450"
+    arena_dir: str = "/dev/shm"
+    store: StoreConfig = StoreConfig()
+    tiers: TierConfig = TierConfig()
+    node_id: str = ""  # defaults to host:port
+    grpc_workers: int = 8
+    max_message_bytes: int = 64 * MiB
+    sweep_interval_ms: int = 500
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"listen address {self.listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:7450")
+        if self.grpc_workers <= 0 or self.sweep_interval_ms <= 0:
+            raise InvalidArgument("grpc_workers and sweep_interval_ms must be positive")

@@ -1,0 +1,143 @@
+"""Typed errors: one enum, mapped 1:1 to gRPC status codes.
+
+Every error carries what the user must do (``hint``). The rpc layer turns an
+``ErrorCode`` into a gRPC status and back, so a client sees the same typed error
+the daemon raised. This module imports nothing from grpc: the mapping holds the
+numeric gRPC status codes, which are part of the gRPC wire protocol and stable.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """Every failure kvpool reports. Value = (name on the wire, gRPC status code)."""
+
+    INVALID_ARGUMENT = ("INVALID_ARGUMENT", 3)  # malformed request, wrong shape/dtype
+    SPEC_MISMATCH = ("SPEC_MISMATCH", 9)  # FAILED_PRECONDITION: layouts/models differ
+    UNKNOWN_NAMESPACE = ("UNKNOWN_NAMESPACE", 5)  # NOT_FOUND
+    NOT_FOUND = ("NOT_FOUND", 5)
+    CAPACITY_EXHAUSTED = ("CAPACITY_EXHAUSTED", 8)  # RESOURCE_EXHAUSTED
+    LEASE_EXPIRED = ("LEASE_EXPIRED", 9)  # FAILED_PRECONDITION
+    CHECKSUM_MISMATCH = ("CHECKSUM_MISMATCH", 15)  # DATA_LOSS
+    UNAVAILABLE = ("UNAVAILABLE", 14)  # daemon down / unreachable
+    DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 4)
+    VERSION_MISMATCH = ("VERSION_MISMATCH", 9)  # scheme or protocol version differs
+    NOT_LEADER = ("NOT_LEADER", 9)  # talk to the leader instead
+    STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
+    INTERNAL = ("INTERNAL", 13)
+
+    @property
+    def wire_name(self) -> str:
+        return self.value[0]
+
+    @property
+    def grpc_status(self) -> int:
+        return self.value[1]
+
+    @classmethod
+    def from_wire_name(cls, name: str) -> ErrorCode:
+        for code in cls:
+            if code.wire_name == name:
+                return code
+        return cls.INTERNAL
+
+
+class KVPoolError(Exception):
+    """Base of every error kvpool raises on purpose.
+
+    ``hint`` says what the caller should do about it; ``str(err)`` includes it.
+    """
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, hint: str = "", code: ErrorCode | None = None) -> None:
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.hint = hint
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        text = f"[{self.code.wire_name}] {self.message}"
+        if self.hint:
+            text += f" -- {self.hint}"
+        return text
+
+
+class InvalidArgument(KVPoolError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class SpecMismatch(KVPoolError):
+    code = ErrorCode.SPEC_MISMATCH
+
+
+class UnknownNamespace(KVPoolError):
+    code = ErrorCode.UNKNOWN_NAMESPACE
+
+
+class NotFound(KVPoolError):
+    code = ErrorCode.NOT_FOUND
+
+
+class CapacityExhausted(KVPoolError):
+    code = ErrorCode.CAPACITY_EXHAUSTED
+
+
+class LeaseExpired(KVPoolError):
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class ChecksumMismatch(KVPoolError):
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
+class Unavailable(KVPoolError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class DeadlineExceeded(KVPoolError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class VersionMismatch(KVPoolError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class NotLeader(KVPoolError):
+    code = ErrorCode.NOT_LEADER
+
+
+class StorageFault(KVPoolError):
+    code = ErrorCode.STORAGE_FAULT
+
+
+class InternalError(KVPoolError):
+    code = ErrorCode.INTERNAL
+
+
+_BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        SpecMismatch,
+        UnknownNamespace,
+        NotFound,
+        CapacityExhausted,
+        LeaseExpired,
+        ChecksumMismatch,
+        Unavailable,
+        DeadlineExceeded,
+        VersionMismatch,
+        NotLeader,
+        StorageFault,
+        InternalError,
+    )
+}
+
+
+def error_from_code(code: ErrorCode, message: str, hint: str = "") -> KVPoolError:
+    """Rebuild the typed exception for ``code`` (used by the rpc layer on the client side)."""
+    return _BY_CODE.get(code, InternalError)(message, hint=hint, code=code)

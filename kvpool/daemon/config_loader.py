@@ -1,0 +1,230 @@
+"""Daemon configuration from flags, ``KVPOOL_*`` environment variables and a TOML file.
+
+Precedence: command-line flag > environment variable > TOML file > built-in default.
+Each option has one row in ``OPTIONS``: its flag, its place in ``DaemonConfig`` (the
+TOML key: ``listen`` at top level, ``capacity_bytes`` under ``[store]``,
+``disk_dir`` under ``[tiers]``), its environment variable (the flag in upper case,
+``KVPOOL_`` prefixed) and its help text. Sizes accept suffixes: 512MiB, 2GiB, 1G.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.core.config import DaemonConfig
+from kvpool.core.errors import InvalidArgument
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, '4096' -> 4096."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise InvalidArgument(f"{text!r} is not a size", hint="write e.g. 4096, 512MiB or 2GiB")
+    number, unit = match.groups()
+    unit = (unit or "").lower().rstrip("b")
+    return int(float(number) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    path: str  # dotted path in DaemonConfig
+    parse: Callable[[Any], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "KVPOOL_" + self.flag.lstrip("-").replace("-", "_").upper()
+
+    @property
+    def dest(self) -> str:
+        return self.path.replace(".", "__")
+
+
+OPTIONS: list[Option] = [
+    Option(
+        "--listen",
+        "listen",
+        str,
+        "gRPC control-plane address, HOST:PORT (keep it on 127.0.0.1 unless "
+        "the host is firewalled). Default 127.0.0.1:7450.",
+    ),
+    Option("--node-id", "node_id", str, "name of this node in events and stats. Default: the listen address."),
+    Option(
+        "--arena-dir",
+        "arena_dir",
+        str,
+        "directory of the shared-memory arena file; must be tmpfs "
+        "(e.g. /dev/shm) so same-host clients map it. Default /dev/shm.",
+    ),
+    Option(
+        "--capacity-bytes",
+        "store.capacity_bytes",
+        parse_bytes,
+        "host-tier capacity (arena size), e.g. 8GiB. Default 2GiB. Memory is touched only as blocks are written.",
+    ),
+    Option(
+        "--slab-bytes",
+        "store.slab_bytes",
+        parse_bytes,
+        "slab size of the allocator; must hold one block. Default 16MiB.",
+    ),
+    Option(
+        "--high-watermark",
+        "store.high_watermark",
+        float,
+        "evict when a put would take usage above this fraction of capacity. Default 0.95.",
+    ),
+    Option("--low-watermark", "store.low_watermark", float, "...evicting down to this fraction. Default 0.85."),
+    Option(
+        "--lease-ttl-ms",
+        "store.lease_ttl_ms",
+        int,
+        "a read lease not released within this many ms is dropped (its blocks become evictable again). Default 10000.",
+    ),
+    Option(
+        "--put-ttl-ms",
+        "store.put_ttl_ms",
+        int,
+        "a put not committed within this many ms is reclaimed (its writer is presumed dead). Default 30000.",
+    ),
+    Option("--max-batch-blocks", "store.max_batch_blocks", int, "most blocks one call may name. Default 65536."),
+    Option("--max-leases", "store.max_leases", int, "most read leases held at once. Default 100000."),
+    Option("--max-pending-puts", "store.max_pending_puts", int, "most puts in flight at once. Default 10000."),
+    Option("--host-policy", "tiers.host_policy", str, "eviction policy of the host tier. Default lru."),
+    Option(
+        "--disk-dir",
+        "tiers.disk_dir",
+        str,
+        "directory of the disk tier's slab files (NVMe); empty = no disk tier. Default empty.",
+    ),
+    Option("--disk-capacity-bytes", "tiers.disk_capacity_bytes", parse_bytes, "disk tier capacity. Default 16GiB."),
+    Option(
+        "--disk-slab-file-bytes",
+        "tiers.disk_slab_file_bytes",
+        parse_bytes,
+        "size of each preallocated slab file. Default 1GiB.",
+    ),
+    Option("--disk-policy", "tiers.disk_policy", str, "eviction policy of the disk tier. Default lru."),
+    Option(
+        "--disk-admission",
+        "tiers.disk_admission",
+        str,
+        "'all' or 'second-hit' (skip one-hit blocks on disk). Default all.",
+    ),
+    Option("--disk-io-threads", "tiers.disk_io_threads", int, "threads doing disk I/O. Default 4."),
+    Option(
+        "--write-behind-queue-blocks",
+        "tiers.write_behind_queue_blocks",
+        int,
+        "bound of the host->disk write-behind queue, in blocks. Default 1024.",
+    ),
+    Option(
+        "--device-capacity-bytes",
+        "tiers.device_capacity_bytes",
+        parse_bytes,
+        "device (HBM) tier capacity; 0 = none. Default 0.",
+    ),
+    Option("--grpc-workers", "grpc_workers", int, "threads serving control-plane calls. Default 8."),
+    Option("--max-message-bytes", "max_message_bytes", parse_bytes, "largest gRPC message. Default 64MiB."),
+    Option(
+        "--sweep-interval-ms",
+        "sweep_interval_ms",
+        int,
+        "how often expired leases and dead puts are reclaimed. Default 500.",
+    ),
+    Option("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR. Default INFO."),
+]
+
+
+def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="TOML file with the same options (top-level keys, [store] and [tiers] tables); env: KVPOOL_CONFIG",
+    )
+    for opt in OPTIONS:
+        parser.add_argument(opt.flag, dest=opt.dest, default=None, help=f"{opt.help} (env: {opt.env})")
+
+
+def _set(values: dict[str, Any], path: str, value: Any) -> None:
+    head, _, rest = path.partition(".")
+    if rest:
+        _set(values.setdefault(head, {}), rest, value)
+    else:
+        values[head] = value
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> DaemonConfig:
+    """Merge defaults, the TOML file, the environment and the flags into a DaemonConfig."""
+    by_path = {opt.path: opt for opt in OPTIONS}
+    merged: dict[str, Any] = {}
+    config_file = args.config or environ.get("KVPOOL_CONFIG")
+    if config_file:
+        try:
+            with open(config_file, "rb") as fh:
+                table = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from exc
+        for path, value in _flatten(table).items():
+            if path not in by_path:
+                raise InvalidArgument(f"unknown key {path!r} in {config_file}", hint=f"known: {sorted(by_path)}")
+            merged[path] = value
+    for opt in OPTIONS:
+        if opt.env in environ:
+            merged[opt.path] = environ[opt.env]
+        flag_value = getattr(args, opt.dest, None)
+        if flag_value is not None:
+            merged[opt.path] = flag_value
+    nested: dict[str, Any] = {}
+    for path, raw in merged.items():
+        opt = by_path[path]
+        try:
+            value = opt.parse(raw)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{opt.flag} / {opt.env}: cannot parse {raw!r}: {exc}") from exc
+        _set(nested, path, value)
+    base = DaemonConfig()
+    store = dataclasses.replace(base.store, **nested.pop("store", {}))
+    tiers = dataclasses.replace(base.tiers, **nested.pop("tiers", {}))
+    return dataclasses.replace(base, store=store, tiers=tiers, **nested)
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment (read only here, at the composition root)."""
+    return os.environ

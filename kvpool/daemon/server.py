@@ -1,0 +1,87 @@
+"""``kvpool serve``: the embedded single-machine default (one process = node + directory).
+
+Start-up: map the arena, build the store, start the gRPC server on the configured
+127.0.0.1 address, start the sweeper. SIGTERM / SIGINT: stop accepting calls, let
+in-flight calls finish (grace period), remove the arena file, exit 0. A crashed
+background task exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from types import FrameType
+
+import grpc
+
+from kvpool.core.clock import MonotonicClock
+from kvpool.core.config import DaemonConfig
+from kvpool.core.errors import Unavailable
+from kvpool.daemon.node import PoolNode
+from kvpool.daemon.service import PoolService
+from kvpool.daemon.supervisor import Supervisor
+from kvpool.proto import pool_pb2_grpc
+from kvpool.rpc.codec import channel_options
+
+log = logging.getLogger("kvpool.server")
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+class PoolServer:
+    """A running daemon; ``start`` then ``wait`` (or ``stop``)."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.supervisor = Supervisor()
+        self.node = PoolNode(config, MonotonicClock())
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
+            options=channel_options(config.max_message_bytes),
+        )
+        pool_pb2_grpc.add_PoolServicer_to_server(PoolService(self.node), self._server)
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        try:
+            port = self._server.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            port = 0
+            reason = str(exc)
+        else:
+            reason = "address in use or not local"
+        if port == 0:
+            self.node.close()
+            raise Unavailable(
+                f"cannot listen on {self.config.listen}: {reason}", hint="pick a free port with --listen 127.0.0.1:PORT"
+            )
+        self._server.start()
+        self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.store.sweep)
+        log.info("kvpool serving on %s (node %s)", self.config.listen, self.node.node_id)
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.supervisor.stop()
+        self.node.events.close()
+        self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
+        self.node.close()
+        log.info("kvpool on %s stopped", self.config.listen)
+
+    def wait(self) -> int:
+        """Block until SIGTERM/SIGINT or a crashed background task; returns the exit code."""
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("signal %d: shutting down", signum)
+            self.supervisor.stopping.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not self.supervisor.stopping.wait(0.5):
+            pass
+        failed = self.supervisor.failure is not None
+        self.stop()
+        return 1 if failed else 0

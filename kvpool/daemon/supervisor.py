@@ -1,0 +1,44 @@
+"""One supervisor for a daemon's background work. A task that raises stops the whole
+daemon loudly (logged, non-zero exit) instead of silently switching a feature off."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger("kvpool.supervisor")
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+
+    def every(self, name: str, interval_ms: int, task: Callable[[], object]) -> None:
+        """Run ``task`` every ``interval_ms`` until stop."""
+
+        def loop() -> None:
+            while not self.stopping.wait(interval_ms / 1000.0):
+                task()
+
+        self.spawn(name, loop)
+
+    def spawn(self, name: str, target: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:  # crash loudly: the daemon must not limp on
+                log.critical("background task %r crashed: %s", name, exc, exc_info=True)
+                self.failure = exc
+                self.stopping.set()
+
+        thread = threading.Thread(target=guarded, name=f"kvpool-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def stop(self, join_timeout_s: float = 5.0) -> None:
+        self.stopping.set()
+        for thread in self._threads:
+            thread.join(join_timeout_s)

@@ -1,0 +1,1 @@
+"""Cluster directory (master): which node/tier holds each block, placement, leases, events."""

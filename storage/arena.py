@@ -1,0 +1,97 @@
+"""One shared-memory arena per node: a file in /dev/shm, mapped by the daemon and by
+every same-host client, so block bytes move with one memcpy and never through gRPC.
+
+The daemon creates it (``SharedArena.create``) and removes the file on close; clients
+map the same file by path (``SharedArena.attach``). Pages are touched lazily, so a
+large arena costs memory only as blocks are written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import pathlib
+import uuid
+
+import numpy as np
+
+from kvpool.core.errors import InvalidArgument, StorageFault, Unavailable
+
+
+class SharedArena:
+    """A mapped shared-memory file, exposed as one flat uint8 numpy array (``view``)."""
+
+    def __init__(self, path: str, capacity_bytes: int, owner: bool, fd: int, mapping: mmap.mmap) -> None:
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.owner = owner
+        self._fd = fd
+        self._mmap = mapping
+        self.view = np.frombuffer(mapping, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, directory: str, capacity_bytes: int, name_hint: str = "kvpool") -> SharedArena:
+        """Create a new arena file of ``capacity_bytes`` under ``directory`` (normally /dev/shm)."""
+        if capacity_bytes <= 0:
+            raise InvalidArgument("arena capacity_bytes must be positive")
+        folder = pathlib.Path(directory)
+        if not folder.is_dir():
+            raise StorageFault(f"arena directory {directory} does not exist", hint="use --arena-dir /dev/shm")
+        path = str(folder / f"{name_hint}-{os.getpid()}-{uuid.uuid4().hex[:8]}.arena")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise StorageFault(f"cannot create arena file {path}: {exc}", hint="check --arena-dir is writable") from exc
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise StorageFault(
+                f"cannot map a {capacity_bytes}-byte arena at {path}: {exc}",
+                hint="lower --capacity-bytes or enlarge /dev/shm",
+            ) from exc
+        return cls(path, capacity_bytes, True, fd, mapping)
+
+    @classmethod
+    def attach(cls, path: str, capacity_bytes: int) -> SharedArena:
+        """Map an existing arena (a same-host client)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot open the pool's arena {path}: {exc}",
+                hint="the client must run on the daemon's host, as a user that can read it",
+            ) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < capacity_bytes:
+                raise Unavailable(f"arena {path} is {size} bytes, expected {capacity_bytes}")
+            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, capacity_bytes, False, fd, mapping)
+
+    def region(self, offset: int, length: int) -> np.ndarray:
+        """A uint8 view of [offset, offset + length) with bounds checked."""
+        if offset < 0 or length < 0 or offset + length > self.capacity_bytes:
+            raise InvalidArgument(f"arena region [{offset}, {offset + length}) is outside 0..{self.capacity_bytes}")
+        return self.view[offset : offset + length]
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file. Views handed out must be dropped first."""
+        if self._fd < 0:
+            return
+        self.view = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a live numpy view still exports the buffer; the mapping dies with it
+        os.close(self._fd)
+        self._fd = -1
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

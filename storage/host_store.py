@@ -1,0 +1,449 @@
+"""The host tier of one node: index + slab allocator + eviction + leases + two-phase puts
+over one arena buffer.
+
+Guarantees (checked by tests/property/test_store_*):
+- a block is visible to lookups only after ``put_commit`` verified its checksum in the
+  arena; a half-written block is never visible;
+- a leased block is never evicted, freed or overwritten: ``remove`` of a leased block hides
+  it from new lookups and frees its slot only when the last lease is released or expires;
+- a hard-pinned block, or a soft-pinned one before its TTL, is never evicted;
+- used bytes never exceed the arena; a put that cannot fit fails whole (nothing stored
+  before it is lost or changed);
+- puts whose writer died (not committed by ``put_ttl_ms``) and leases not released by
+  ``lease_ttl_ms`` are reclaimed by ``sweep``.
+
+The store works on a plain uint8 buffer so tests can run it without shared memory; the
+daemon hands it the mapped arena.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpool.core.checksum import checksum64
+from kvpool.core.clock import Clock
+from kvpool.core.config import StoreConfig
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
+from kvpool.core.events import EventKind
+from kvpool.storage.allocator import SlabAllocator, slot_size_for
+from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
+
+EventSink = Callable[[EventKind, list[bytes], bytes], None]
+#: called with an evicted entry and a view of its bytes before its slot is freed (demotion)
+DemoteHook = Callable[["Entry", np.ndarray], None]
+
+
+class Entry:
+    """One committed block. Slotted: the index may hold millions."""
+
+    __slots__ = ("checksum", "doomed", "hard_pin", "key", "leases", "namespace", "offset", "size", "soft_pin_until_ms")
+
+    def __init__(self, key: bytes, offset: int, size: int, checksum: int, namespace: bytes) -> None:
+        self.key = key
+        self.offset = offset
+        self.size = size
+        self.checksum = checksum
+        self.namespace = namespace
+        self.leases = 0
+        self.hard_pin = False
+        self.soft_pin_until_ms = 0.0
+        self.doomed = False  # removed from the index while leased; freed at last release
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    offset: int
+    size: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    lease_id: int  # 0 when nothing was leased
+    locations: list[BlockLocation]
+    expires_ms: float
+
+
+@dataclass(frozen=True)
+class PutGrant:
+    put_id: int  # 0 when nothing needs writing
+    slots: list[tuple[int, int]]  # (index in the request, arena offset) for each block to write
+    already_present: list[int]  # request indices skipped: committed already
+    in_flight: list[int]  # request indices skipped: another writer is writing them now
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    committed: int
+    checksum_failed: list[int]  # request indices whose bytes did not match: dropped, not stored
+
+
+@dataclass
+class _PendingPut:
+    namespace: bytes
+    block_bytes: int
+    deadline_ms: float
+    slots: list[tuple[int, bytes, int]]  # (request index, key, offset)
+
+
+@dataclass
+class _Lease:
+    entries: list[Entry]
+    expires_ms: float
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0  # blocks served through leases
+    misses: int = 0  # blocks asked for in a lease request but not served
+    lookups: int = 0
+    puts: int = 0  # blocks committed
+    put_bytes: int = 0
+    skipped_present: int = 0
+    evictions: int = 0
+    removed: int = 0
+    checksum_failures: int = 0
+    expired_leases: int = 0
+    reclaimed_puts: int = 0
+    by_namespace: dict[bytes, int] = field(default_factory=dict)  # committed blocks per namespace
+
+
+class HostStore:
+    """Index, allocation, eviction and leases of one arena. Thread-safe (one lock)."""
+
+    def __init__(
+        self,
+        buffer: np.ndarray,
+        config: StoreConfig,
+        clock: Clock,
+        policy: EvictionPolicy | None = None,
+        on_event: EventSink | None = None,
+        on_evict: DemoteHook | None = None,
+    ) -> None:
+        if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < config.capacity_bytes:
+            raise InvalidArgument("the store's buffer must be a 1-D uint8 array of at least capacity_bytes")
+        self._buffer = buffer
+        self.config = config
+        self._clock = clock
+        self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self._on_event = on_event
+        self._on_evict = on_evict
+        self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes)
+        self._index: dict[bytes, Entry] = {}
+        self._pending: dict[int, _PendingPut] = {}
+        self._pending_keys: set[bytes] = set()
+        self._leases: dict[int, _Lease] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self.stats = StoreStats()
+
+    # -- reads ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys present (longest cached prefix). Does not lease."""
+        self._check_batch(keys)
+        with self._lock:
+            self.stats.lookups += 1
+            n = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                n += 1
+            return n
+
+    def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
+        """Lease the leading present keys for reading; their bytes stay put until release."""
+        self._check_batch(keys)
+        with self._lock:
+            now = self._clock.now_ms()
+            entries: list[Entry] = []
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    break
+                entries.append(entry)
+            self.stats.hits += len(entries)
+            self.stats.misses += len(keys) - len(entries)
+            expires = now + self.config.lease_ttl_ms
+            if not entries:
+                return LeaseGrant(0, [], expires)
+            if len(self._leases) >= self.config.max_leases:
+                self._expire_leases(now)
+                if len(self._leases) >= self.config.max_leases:
+                    raise CapacityExhausted(
+                        f"{len(self._leases)} read leases are held (max_leases)",
+                        hint="release leases after reading, or raise --max-leases",
+                    )
+            for entry in entries:
+                entry.leases += 1
+                self._policy.on_access(entry.key)
+            lease_id = next(self._ids)
+            self._leases[lease_id] = _Lease(entries, expires)
+            return LeaseGrant(lease_id, [BlockLocation(e.offset, e.size, e.checksum) for e in entries], expires)
+
+    def release(self, lease_id: int) -> None:
+        """End a read lease. Releasing an unknown or expired lease raises LeaseExpired: the
+        caller's copy may have raced with reuse of the slot and must be re-verified."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseExpired(
+                    f"lease {lease_id} is unknown or expired",
+                    hint="reads must finish within lease_ttl_ms; data read under it must be re-verified",
+                )
+            self._drop_lease(lease)
+
+    # -- writes --------------------------------------------------------------------------
+    def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
+        """Reserve a slot for every key not present nor being written. All or nothing."""
+        self._check_batch(keys)
+        self._alloc.check_block_bytes(block_bytes)
+        with self._lock:
+            now = self._clock.now_ms()
+            if len(self._pending) >= self.config.max_pending_puts:
+                self._reclaim_puts(now)
+                if len(self._pending) >= self.config.max_pending_puts:
+                    raise CapacityExhausted(
+                        f"{len(self._pending)} puts are in flight (max_pending_puts)",
+                        hint="commit or abort puts, or raise --max-pending-puts",
+                    )
+            present: list[int] = []
+            in_flight: list[int] = []
+            wanted: list[tuple[int, bytes]] = []
+            seen: set[bytes] = set()
+            for i, key in enumerate(keys):
+                if key in self._index:
+                    present.append(i)
+                elif key in self._pending_keys or key in seen:
+                    in_flight.append(i)
+                else:
+                    seen.add(key)
+                    wanted.append((i, key))
+            self.stats.skipped_present += len(present)
+            if not wanted:
+                return PutGrant(0, [], present, in_flight)
+            offsets = self._allocate(len(wanted), block_bytes, now)
+            put_id = next(self._ids)
+            slots = [(i, key, off) for (i, key), off in zip(wanted, offsets, strict=True)]
+            self._pending[put_id] = _PendingPut(namespace, block_bytes, now + self.config.put_ttl_ms, slots)
+            self._pending_keys.update(key for _, key in wanted)
+            return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
+
+    def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
+        """Verify each written block against its checksum and make the good ones visible."""
+        with self._lock:
+            pending = self._pending.pop(put_id, None)
+            if pending is None:
+                raise NotFound(
+                    f"put {put_id} is unknown: never started, already finished, or reclaimed after put_ttl_ms",
+                    hint="start the put again",
+                )
+            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
+            if len(checksums) != len(pending.slots):
+                for _, _, off in pending.slots:
+                    self._alloc.free(off)
+                raise InvalidArgument(
+                    f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
+                )
+            committed: list[bytes] = []
+            failed: list[int] = []
+            for (index, key, offset), checksum in zip(pending.slots, checksums, strict=True):
+                actual = checksum64(self._buffer[offset : offset + pending.block_bytes])
+                if actual != checksum:
+                    self._alloc.free(offset)
+                    failed.append(index)
+                    continue
+                entry = Entry(key, offset, pending.block_bytes, checksum, pending.namespace)
+                self._index[key] = entry
+                self._policy.on_insert(key)
+                committed.append(key)
+            self.stats.puts += len(committed)
+            self.stats.put_bytes += len(committed) * pending.block_bytes
+            self.stats.checksum_failures += len(failed)
+            ns_count = self.stats.by_namespace
+            ns_count[pending.namespace] = ns_count.get(pending.namespace, 0) + len(committed)
+            if committed:
+                self._emit(EventKind.STORED, committed, pending.namespace)
+            return CommitResult(len(committed), failed)
+
+    def put_abort(self, put_id: int) -> None:
+        with self._lock:
+            pending = self._pending.pop(put_id, None)
+            if pending is None:
+                return
+            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
+            for _, _, offset in pending.slots:
+                self._alloc.free(offset)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks; a leased one disappears from lookups now and is freed at release."""
+        self._check_batch(keys)
+        with self._lock:
+            removed: list[bytes] = []
+            namespace = b""
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    continue
+                self._policy.on_remove(key)
+                namespace = entry.namespace
+                self._unindex(entry)
+                removed.append(key)
+            self.stats.removed += len(removed)
+            if removed:
+                self._emit(EventKind.REMOVED, removed, namespace)
+            return len(removed)
+
+    def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
+        """Pin present blocks: hard (ttl_ms None) until unpinned, soft until now + ttl_ms."""
+        self._check_batch(keys)
+        with self._lock:
+            until = self._clock.now_ms() + ttl_ms if ttl_ms is not None else 0.0
+            n = 0
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    continue
+                if ttl_ms is None:
+                    entry.hard_pin = True
+                else:
+                    entry.soft_pin_until_ms = max(entry.soft_pin_until_ms, until)
+                n += 1
+            return n
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None and (entry.hard_pin or entry.soft_pin_until_ms):
+                    entry.hard_pin = False
+                    entry.soft_pin_until_ms = 0.0
+                    n += 1
+            return n
+
+    # -- upkeep --------------------------------------------------------------------------
+    def sweep(self) -> tuple[int, int]:
+        """Drop expired leases and reclaim puts whose writer died. Returns (leases, puts)."""
+        with self._lock:
+            now = self._clock.now_ms()
+            return self._expire_leases(now), self._reclaim_puts(now)
+
+    def snapshot_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    def entry(self, key: bytes) -> Entry | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    def summary(self) -> dict[str, int]:
+        with self._lock:
+            s = self.stats
+            return {
+                "capacity_bytes": self._alloc.capacity_bytes,
+                "used_bytes": self._alloc.used_bytes,
+                "blocks": len(self._index),
+                "hits": s.hits,
+                "misses": s.misses,
+                "lookups": s.lookups,
+                "puts": s.puts,
+                "put_bytes": s.put_bytes,
+                "skipped_present": s.skipped_present,
+                "evictions": s.evictions,
+                "removed": s.removed,
+                "checksum_failures": s.checksum_failures,
+                "leases_active": len(self._leases),
+                "expired_leases": s.expired_leases,
+                "pending_puts": len(self._pending),
+                "reclaimed_puts": s.reclaimed_puts,
+            }
+
+    # -- internals -----------------------------------------------------------------------
+    def _check_batch(self, keys: Sequence[bytes]) -> None:
+        if len(keys) > self.config.max_batch_blocks:
+            raise InvalidArgument(
+                f"{len(keys)} blocks in one call; the limit is {self.config.max_batch_blocks}",
+                hint="split the batch",
+            )
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self._index.get(key)
+        if entry is None or entry.leases or entry.hard_pin:
+            return False
+        return entry.soft_pin_until_ms <= self._clock.now_ms()
+
+    def _evict_one(self) -> bool:
+        key = self._policy.pop_victim(self._evictable)
+        if key is None:
+            return False
+        entry = self._index[key]
+        if self._on_evict is not None:
+            self._on_evict(entry, self._buffer[entry.offset : entry.offset + entry.size])
+        self._unindex(entry)
+        self.stats.evictions += 1
+        self._emit(EventKind.REMOVED, [key], entry.namespace)
+        return True
+
+    def _allocate(self, count: int, block_bytes: int, now: float) -> list[int]:
+        need = count * slot_size_for(block_bytes)
+        capacity = self._alloc.capacity_bytes
+        if self._alloc.used_bytes + need > self.config.high_watermark * capacity:
+            target = max(0.0, self.config.low_watermark * capacity - need)
+            while self._alloc.used_bytes > target and self._evict_one():
+                pass
+        offsets: list[int] = []
+        while len(offsets) < count:
+            offset = self._alloc.alloc(block_bytes)
+            if offset is not None:
+                offsets.append(offset)
+                continue
+            if not self._evict_one():
+                for off in offsets:
+                    self._alloc.free(off)
+                raise CapacityExhausted(
+                    f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
+                    f"{capacity} bytes are used and nothing more can be evicted (leased, pinned or in flight)",
+                    hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
+                )
+        return offsets
+
+    def _unindex(self, entry: Entry) -> None:
+        del self._index[entry.key]
+        ns_count = self.stats.by_namespace
+        ns_count[entry.namespace] = ns_count.get(entry.namespace, 1) - 1
+        if entry.leases:
+            entry.doomed = True
+        else:
+            self._alloc.free(entry.offset)
+
+    def _drop_lease(self, lease: _Lease) -> None:
+        for entry in lease.entries:
+            entry.leases -= 1
+            if entry.doomed and entry.leases == 0:
+                self._alloc.free(entry.offset)
+
+    def _expire_leases(self, now: float) -> int:
+        expired = [lid for lid, lease in self._leases.items() if lease.expires_ms <= now]
+        for lid in expired:
+            self._drop_lease(self._leases.pop(lid))
+        self.stats.expired_leases += len(expired)
+        return len(expired)
+
+    def _reclaim_puts(self, now: float) -> int:
+        dead = [pid for pid, put in self._pending.items() if put.deadline_ms <= now]
+        for pid in dead:
+            self.put_abort(pid)
+        self.stats.reclaimed_puts += len(dead)
+        return len(dead)
+
+    def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, keys, namespace)
