@@ -15,7 +15,6 @@ the daemon's lease TTL. A block that fails its checksum is a miss, never an exce
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -25,13 +24,14 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from kvpool.client.admin import PoolAdmin
 from kvpool.client.blocks import block_rows, read_rows, write_rows
 from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
-from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes, unpack_hashes
+from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
-from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, event_from_msg, spec_to_msg
+from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.storage.arena import SharedArena
 
@@ -73,6 +73,7 @@ class PoolClient:
         self._ns_digest = namespace.digest()
         self._channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._admin = PoolAdmin(address, timeout_s, self._channel)
         self._arena: SharedArena | None = None
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
@@ -227,24 +228,17 @@ class PoolClient:
         return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
 
     def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads(self._rpc(self._stub.Stats, pool_pb2.StatsRequest()).json)
-        return result
+        """The node's counters (see ``kvpool inspect stats``)."""
+        return self._admin.stats()
 
     def snapshot(self) -> tuple[int, list[bytes]]:
         """(last event seq, every block hash of this namespace on the node)."""
-        reply = self._rpc(self._stub.Snapshot, pool_pb2.SnapshotRequest(namespace=self._ns_digest))
-        return int(reply.last_seq), unpack_hashes(reply.hashes)
+        return self._admin.snapshot(self._ns_digest)
 
     def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
         """The node's KV events from ``from_seq`` on (blocks until they come). A gap in
         ``seq`` means events were dropped: resync with ``snapshot``."""
-        try:
-            for msg in self._stub.Events(pool_pb2.EventsRequest(from_seq=from_seq)):
-                yield event_from_msg(msg)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise from_rpc_error(exc, self.address) from None
+        return self._admin.events(from_seq)
 
     def flush_releases(self) -> None:
         lease_ids = self._take_releases()

@@ -1,0 +1,127 @@
+"""Look inside a running pool.
+
+  kvpool inspect stats [--json]        capacity, used, blocks, hits, misses, evictions, ...
+  kvpool inspect namespaces [--json]   the KV specs (namespaces) the node serves
+  kvpool inspect events [--from-seq N] [--count N]   follow stored/removed events
+  kvpool inspect blocks [--limit N]    block hashes the node holds (hex)
+
+The address comes from --address, else KVPOOL_ADDRESS, else 127.0.0.1:7450.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+DEFAULT_ADDRESS = "127.0.0.1:7450"
+
+STAT_ROWS = [
+    ("capacity_bytes", "capacity"),
+    ("used_bytes", "used"),
+    ("blocks", "blocks"),
+    ("hits", "hits (blocks read)"),
+    ("misses", "misses (blocks asked, not held)"),
+    ("lookups", "lookups"),
+    ("puts", "blocks stored"),
+    ("skipped_present", "puts skipped (present)"),
+    ("evictions", "evictions"),
+    ("removed", "removed"),
+    ("checksum_failures", "checksum failures"),
+    ("leases_active", "read leases held"),
+    ("expired_leases", "leases expired"),
+    ("pending_puts", "puts in flight"),
+    ("reclaimed_puts", "puts reclaimed (writer died)"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=["stats", "namespaces", "events", "blocks"], help="what to show")
+    parser.add_argument(
+        "--address", default=None, help=f"daemon HOST:PORT (env KVPOOL_ADDRESS; default {DEFAULT_ADDRESS})"
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    parser.add_argument("--from-seq", type=int, default=0, help="events: first sequence number (0 = oldest kept)")
+    parser.add_argument("--count", type=int, default=0, help="events: stop after this many (0 = follow forever)")
+    parser.add_argument("--limit", type=int, default=100, help="blocks: most hashes to print")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def render_stats(stats: dict[str, Any]) -> str:
+    lines = [f"node {stats.get('node_id', '?')}  scheme {stats.get('hash_scheme', '?')}"]
+    capacity = stats.get("capacity_bytes", 0) or 1
+    for key, label in STAT_ROWS:
+        if key not in stats:
+            continue
+        value = stats[key]
+        if key.endswith("_bytes"):
+            text = human_bytes(value)
+            if key == "used_bytes":
+                text += f" ({100.0 * value / capacity:.1f}%)"
+        else:
+            text = str(value)
+        lines.append(f"  {label:<34} {text}")
+    looked = stats.get("hits", 0) + stats.get("misses", 0)
+    if looked:
+        lines.append(f"  {'hit rate':<34} {100.0 * stats['hits'] / looked:.1f}%")
+    for tier, tier_stats in sorted((stats.get("tiers") or {}).items()):
+        parts = ", ".join(f"{k}={v}" for k, v in sorted(tier_stats.items()))
+        lines.append(f"  tier {tier}: {parts}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.client.admin import PoolAdmin
+    from kvpool.core.errors import KVPoolError
+
+    address = args.address or os.environ.get("KVPOOL_ADDRESS") or DEFAULT_ADDRESS
+    try:
+        with PoolAdmin(address) as admin:
+            if args.what == "stats":
+                stats = admin.stats()
+                print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_stats(stats))
+            elif args.what == "namespaces":
+                namespaces = admin.stats().get("namespaces", [])
+                if args.json:
+                    print(json.dumps(namespaces, indent=2))
+                else:
+                    for ns in namespaces:
+                        print(f"{ns['digest']}  {ns['spec']}  ({human_bytes(ns['block_bytes'])} per block)")
+            elif args.what == "blocks":
+                last_seq, hashes = admin.snapshot()
+                shown = [h.hex() for h in hashes[: args.limit]]
+                if args.json:
+                    print(json.dumps({"last_seq": last_seq, "total": len(hashes), "hashes": shown}))
+                else:
+                    print(f"{len(hashes)} blocks (as of event {last_seq}); first {len(shown)}:")
+                    print("\n".join(shown))
+            else:
+                for n, event in enumerate(admin.events(args.from_seq), start=1):
+                    record = {
+                        "node": event.node_id,
+                        "seq": event.seq,
+                        "kind": event.kind.value,
+                        "blocks": len(event.hashes),
+                        "namespace": event.namespace.hex(),
+                    }
+                    line = (
+                        f"#{event.seq} {event.kind.value:<8} {len(event.hashes)} blocks ns={event.namespace.hex()[:8]}"
+                    )
+                    print(json.dumps(record) if args.json else line, flush=True)
+                    if args.count and n >= args.count:
+                        break
+    except KVPoolError as err:
+        print(f"kvpool inspect: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

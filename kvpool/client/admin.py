@@ -1,0 +1,64 @@
+"""``PoolAdmin``: namespace-free calls for operators and tools (stats, events, snapshots).
+
+The inspection CLI uses it; it needs no KVSpec and maps no arena, so it works from any
+host that can reach the daemon's control port.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from kvpool.core.events import KVEvent
+from kvpool.core.hashing import unpack_hashes
+from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.codec import event_from_msg
+from kvpool.rpc.errors import from_rpc_error
+
+
+class PoolAdmin:
+    def __init__(self, address: str, timeout_s: float = 5.0, channel: grpc.Channel | None = None) -> None:
+        """``channel``: share an existing channel (PoolClient does); it is then not closed here."""
+        self.address = address
+        self.timeout_s = timeout_s
+        self._owns_channel = channel is None
+        self._channel = channel if channel is not None else grpc.insecure_channel(address)
+        self._stub = pool_pb2_grpc.PoolStub(self._channel)
+
+    def __enter__(self) -> PoolAdmin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            reply = self._stub.Stats(pool_pb2.StatsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        result: dict[str, Any] = json.loads(reply.json)
+        return result
+
+    def snapshot(self, namespace: bytes = b"") -> tuple[int, list[bytes]]:
+        try:
+            reply = self._stub.Snapshot(pool_pb2.SnapshotRequest(namespace=namespace), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        return int(reply.last_seq), unpack_hashes(reply.hashes)
+
+    def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
+        """Follow the node's events (blocks). A gap in seq means: resync with ``snapshot``."""
+        try:
+            for msg in self._stub.Events(pool_pb2.EventsRequest(from_seq=from_seq)):
+                yield event_from_msg(msg)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise from_rpc_error(exc, self.address) from None
+
+    def close(self) -> None:
+        if self._owns_channel:
+            self._channel.close()
