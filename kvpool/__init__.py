@@ -3,8 +3,8 @@
     from kvpool import KVSpec, PoolClient
 """
 
-from kvpool.client import PoolClient, PutResult
+from kvpool.client import AsyncPoolClient, PoolAdmin, PoolClient, PutResult
 from kvpool.core import KVPoolError, KVSpec, Namespace
 
-__all__ = ["KVPoolError", "KVSpec", "Namespace", "PoolClient", "PutResult"]
+__all__ = ["AsyncPoolClient", "KVPoolError", "KVSpec", "Namespace", "PoolAdmin", "PoolClient", "PutResult"]
 __version__ = "0.1.0"

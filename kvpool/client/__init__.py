@@ -1,5 +1,7 @@
 """Client library for serving engines (sync ``PoolClient`` and asyncio ``AsyncPoolClient``)."""
 
+from kvpool.client.admin import PoolAdmin
+from kvpool.client.async_client import AsyncPoolClient
 from kvpool.client.pool_client import PoolClient, PutResult
 
-__all__ = ["PoolClient", "PutResult"]
+__all__ = ["AsyncPoolClient", "PoolAdmin", "PoolClient", "PutResult"]

@@ -1,0 +1,159 @@
+"""``AsyncPoolClient``: the asyncio twin of ``PoolClient`` for engines built on asyncio.
+
+Same calls, same semantics, awaited: control calls go over ``grpc.aio``; the block
+copies through the mapped arena are plain memcpys done inline (a 4 MiB block copies
+in well under a millisecond, less than the cost of handing it to a thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from kvpool.client.blocks import block_rows, read_rows, write_rows
+from kvpool.client.pool_client import DEFAULT_TIMEOUT_S, MAX_MESSAGE_BYTES, PutResult, hello_request
+from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable, UnknownNamespace
+from kvpool.core.hashing import block_hashes, pack_hashes
+from kvpool.core.spec import KVSpec, Namespace
+from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.codec import channel_options
+from kvpool.rpc.errors import from_rpc_error
+from kvpool.storage.arena import SharedArena
+
+log = logging.getLogger("kvpool.client")
+T = TypeVar("T")
+
+
+class AsyncPoolClient:
+    def __init__(self, address: str, namespace: Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.spec = namespace.spec
+        self.timeout_s = timeout_s
+        self._ns_digest = namespace.digest()
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._arena: SharedArena | None = None
+        self._pending_releases: list[int] = []
+        self.node_id = ""
+
+    @classmethod
+    async def connect(
+        cls, address: str, spec: KVSpec, salt: bytes = b"", adapter: str = "", timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> AsyncPoolClient:
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s)
+        try:
+            await client._hello()
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def __aenter__(self) -> AsyncPoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _rpc(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
+    async def _hello(self) -> None:
+        reply = await self._rpc(self._stub.Hello, hello_request(self.namespace))
+        if self._arena is None or self._arena.path != reply.arena_path:
+            if self._arena is not None:
+                self._arena.close()
+            self._arena = SharedArena.attach(reply.arena_path, reply.arena_bytes)
+        self.node_id = reply.node_id
+
+    async def _hashes_call(self, method: Callable[..., Awaitable[T]], hashes: Sequence[bytes]) -> T:
+        def request() -> pool_pb2.HashesRequest:
+            releases, self._pending_releases = self._pending_releases, []
+            return pool_pb2.HashesRequest(
+                namespace=self._ns_digest, hashes=pack_hashes(hashes), release_lease_ids=releases
+            )
+
+        try:
+            return await self._rpc(method, request())
+        except UnknownNamespace:
+            self._pending_releases.clear()
+            await self._hello()
+            return await self._rpc(method, request())
+
+    @property
+    def arena(self) -> np.ndarray:
+        if self._arena is None:
+            raise Unavailable(f"not connected to {self.address}", hint="use AsyncPoolClient.connect")
+        return self._arena.view
+
+    def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
+        return block_hashes(self.namespace, token_ids, extras)
+
+    async def lookup(self, hashes: Sequence[bytes]) -> int:
+        if not hashes:
+            return 0
+        return int((await self._hashes_call(self._stub.Lookup, hashes)).hits)
+
+    async def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
+        rows = block_rows(blocks, self.spec, "blocks")
+        if rows.shape[0] != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+        if not hashes:
+            return PutResult(0, 0, 0, 0)
+        start = await self._hashes_call(self._stub.PutStart, hashes)
+        if start.put_id == 0:
+            return PutResult(0, len(start.already_present), len(start.in_flight), 0)
+        try:
+            checksums = write_rows(self.arena, rows, start.indices, start.offsets)
+        except BaseException:
+            await self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
+            raise
+        done = await self._rpc(
+            self._stub.PutCommit, pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums)
+        )
+        return PutResult(
+            int(done.committed), len(start.already_present), len(start.in_flight), len(done.checksum_failed)
+        )
+
+    async def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        rows = block_rows(out, self.spec, "out", writable=True)
+        if rows.shape[0] < len(hashes):
+            raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} were asked for")
+        if not hashes:
+            return 0
+        reply = await self._hashes_call(self._stub.Lease, hashes)
+        if reply.lease_id == 0:
+            return 0
+        try:
+            return read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+        finally:
+            self._pending_releases.append(int(reply.lease_id))
+
+    async def get(self, hashes: Sequence[bytes]) -> np.ndarray:
+        out = np.empty((len(hashes), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        n = await self.get_into(hashes, out)
+        return out[:n]
+
+    async def remove(self, hashes: Sequence[bytes]) -> int:
+        if not hashes:
+            return 0
+        return int((await self._hashes_call(self._stub.Remove, hashes)).removed)
+
+    async def close(self) -> None:
+        if self._pending_releases:
+            try:
+                await self._rpc(self._stub.Release, pool_pb2.ReleaseRequest(lease_ids=self._pending_releases))
+            except KVPoolError:
+                pass
+            self._pending_releases = []
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        await self._channel.close(None)
