@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# kvpool developer entry point. Two commands matter (see README):
+#   bash tools/dev.sh serve   set up .venv (first run only) and start the embedded single-machine pool
+#   bash tools/dev.sh test    set up .venv (first run only) and run the whole test suite (what CI runs)
+# Others: setup (install only), bench (same-host data-path benchmark), lint (ruff + mypy).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+
+setup() {
+    local stamp="$VENV/.kvpool-installed"
+    local want
+    want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        return 0
+    fi
+    echo "kvpool: setting up $VENV (first run: installs torch 2.13.0 CPU, grpc, ucxx, ...)" >&2
+    [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch is pinned to 2.13.0 (a CPU wheel on this machine); an unpinned torch would pull a CUDA build.
+    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+}
+
+cmd="${1:-help}"
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    serve)
+        setup
+        exec "$VENV/bin/kvpool" serve "$@"
+        ;;
+    test)
+        setup
+        exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+        ;;
+    bench)
+        setup
+        exec "$VENV/bin/python" tools/bench_pool.py "$@"
+        ;;
+    lint)
+        setup
+        "$VENV/bin/ruff" check .
+        "$VENV/bin/ruff" format --check .
+        "$VENV/bin/mypy"
+        ;;
+    *)
+        sed -n '2,6p' "$0"
+        exit 2
+        ;;
+esac
