@@ -48,8 +48,9 @@ def test_mapped_packages_import_from_their_folders() -> None:
 
 
 def test_wheel_contains_mapped_packages_and_console_script(tmp_path: pathlib.Path) -> None:
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [*pip_wheel, "-w", str(tmp_path)],
         check=True,
         capture_output=True,
     )
