@@ -168,7 +168,19 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
         help="TOML file with the same options (top-level keys, [store] and [tiers] tables); env: KVPOOL_CONFIG",
     )
     for opt in OPTIONS:
-        parser.add_argument(opt.flag, dest=opt.dest, default=None, help=f"{opt.help} (env: {opt.env})")
+        parser.add_argument(
+            opt.flag, dest=opt.dest, default=None, metavar=_metavar(opt), help=f"{opt.help} (env: {opt.env})"
+        )
+
+
+def _metavar(opt: Option) -> str:
+    if opt.parse is parse_bytes:
+        return "SIZE"
+    if opt.parse is int:
+        return "N"
+    if opt.parse is float:
+        return "FRACTION"
+    return opt.flag.lstrip("-").split("-")[-1].upper()
 
 
 def _set(values: dict[str, Any], path: str, value: Any) -> None:
