@@ -41,7 +41,8 @@ class PoolServer:
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=channel_options(config.max_message_bytes),
         )
-        pool_pb2_grpc.add_PoolServicer_to_server(PoolService(self.node), self._server)
+        service = PoolService(self.node, max_event_subscribers=max(1, config.grpc_workers // 2))
+        pool_pb2_grpc.add_PoolServicer_to_server(service, self._server)
         self._stopped = threading.Event()
 
     def start(self) -> None:

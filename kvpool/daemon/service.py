@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
-from kvpool.core.errors import InvalidArgument, LeaseExpired
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes, unpack_hashes
 from kvpool.daemon.node import PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.codec import PROTOCOL_VERSION, event_to_msg, spec_from_msg
-from kvpool.rpc.errors import typed_handler
+from kvpool.rpc.errors import abort_with, typed_handler
 
 log = logging.getLogger("kvpool.service")
 
 
 class PoolService(pool_pb2_grpc.PoolServicer):
-    def __init__(self, node: PoolNode) -> None:
+    def __init__(self, node: PoolNode, max_event_subscribers: int = 4) -> None:
         self.node = node
+        # each Events stream holds a worker thread: bound them so control calls always get one
+        self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
+        self.max_event_subscribers = max_event_subscribers
 
     # helpers
     def _keys(self, request: Any) -> list[bytes]:
@@ -146,8 +150,19 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         return pool_pb2.StatsReply(json=json.dumps(summary, sort_keys=True))
 
     def Events(self, request: pool_pb2.EventsRequest, context: grpc.ServicerContext) -> Iterator[pool_pb2.Event]:
-        for event in self.node.events.follow(int(request.from_seq), context.is_active):
-            yield event_to_msg(event)
+        if not self._subscriber_slots.acquire(blocking=False):
+            abort_with(
+                context,
+                CapacityExhausted(
+                    f"{self.max_event_subscribers} event subscribers are already attached",
+                    hint="share one subscription (e.g. through the router) or raise --grpc-workers",
+                ),
+            )
+        try:
+            for event in self.node.events.follow(int(request.from_seq), context.is_active):
+                yield event_to_msg(event)
+        finally:
+            self._subscriber_slots.release()
 
     @typed_handler
     def Snapshot(self, request: pool_pb2.SnapshotRequest, context: grpc.ServicerContext) -> pool_pb2.SnapshotReply:
