@@ -140,6 +140,7 @@ class HostStore:
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
+        self._protected: set[bytes] = set()  # keys a put in progress reported present: not evictable
         self.stats = StoreStats()
 
     # -- reads ---------------------------------------------------------------------------
@@ -226,7 +227,12 @@ class HostStore:
             self.stats.skipped_present += len(present)
             if not wanted:
                 return PutGrant(0, [], present, in_flight)
-            offsets = self._allocate(len(wanted), block_bytes, now)
+            # the writer skips the blocks we report present: making room must not evict them
+            self._protected = {keys[i] for i in present}
+            try:
+                offsets = self._allocate(len(wanted), block_bytes, now)
+            finally:
+                self._protected = set()
             put_id = next(self._ids)
             slots = [(i, key, off) for (i, key), off in zip(wanted, offsets, strict=True)]
             self._pending[put_id] = _PendingPut(namespace, block_bytes, now + self.config.put_ttl_ms, slots)
@@ -376,7 +382,7 @@ class HostStore:
 
     def _evictable(self, key: bytes) -> bool:
         entry = self._index.get(key)
-        if entry is None or entry.leases or entry.hard_pin:
+        if entry is None or entry.leases or entry.hard_pin or key in self._protected:
             return False
         return entry.soft_pin_until_ms <= self._clock.now_ms()
 
@@ -395,6 +401,19 @@ class HostStore:
     def _allocate(self, count: int, block_bytes: int, now: float) -> list[int]:
         need = count * slot_size_for(block_bytes)
         capacity = self._alloc.capacity_bytes
+        if self._alloc.used_bytes + need > capacity:
+            # near full: check the put can fit at all before evicting anything, so a put that
+            # must fail costs no stored block (a scan, but only on this rare path)
+            evictable_bytes = sum(
+                self._alloc.slot_bytes_at(e.offset) for k, e in self._index.items() if self._evictable(k)
+            )
+            if self._alloc.used_bytes - evictable_bytes + need > capacity:
+                raise CapacityExhausted(
+                    f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of {capacity} "
+                    f"bytes are used and only {evictable_bytes} could be evicted (the rest is leased, pinned "
+                    "or in flight); nothing was evicted",
+                    hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
+                )
         if self._alloc.used_bytes + need > self.config.high_watermark * capacity:
             target = max(0.0, self.config.low_watermark * capacity - need)
             while self._alloc.used_bytes > target and self._evict_one():

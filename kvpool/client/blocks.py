@@ -38,6 +38,11 @@ def _is_torch(obj: Any) -> bool:
 
 def block_rows(blocks: Any, spec: KVSpec, what: str, writable: bool = False) -> np.ndarray:
     """View ``blocks`` ([n, *block_shape], spec dtype) as a uint8 array [n, block_bytes]."""
+    if not hasattr(blocks, "shape"):
+        raise InvalidArgument(
+            f"{what} is a {type(blocks).__name__}; pass a numpy array or a CPU torch tensor of shape "
+            f"[n, {', '.join(map(str, spec.block_shape))}] and dtype {spec.dtype}"
+        )
     shape = tuple(blocks.shape)
     if len(shape) != 6 or shape[1:] != spec.block_shape:
         raise InvalidArgument(
