@@ -1,0 +1,112 @@
+"""What a connector needs from the pool, and an in-process pool with the same contract.
+
+Connectors and the reference engine talk to the pool only through ``BlockPool`` (the
+methods of ``kvpool.client.PoolClient`` they use), so their logic is tested without a
+daemon and runs against the real client unchanged.
+
+``InProcessPool`` keeps blocks in a dict inside the calling process. It exists so the
+reference engine can run in one process without a daemon and so pure logic can be unit
+tested; it keeps the pool's rules (checksum on put, verify after the copy on read, a bad
+block truncates the read). Cross-process tests use the real daemon and ``PoolClient``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from kvpool.core.checksum import checksum64
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.hashing import block_hashes
+from kvpool.core.spec import KVSpec, Namespace
+
+
+@runtime_checkable
+class BlockPool(Protocol):
+    """The slice of ``PoolClient`` that connectors use."""
+
+    def hashes(self, token_ids: Any) -> list[bytes]: ...
+
+    def lookup(self, hashes: Sequence[bytes]) -> int: ...
+
+    def put(self, hashes: Sequence[bytes], blocks: Any) -> Any: ...
+
+    def get_into(self, hashes: Sequence[bytes], out: Any) -> int: ...
+
+
+def pool_spec(pool: object) -> KVSpec | None:
+    """The pool's KVSpec when the pool object exposes one (``PoolClient.spec``)."""
+    spec = getattr(pool, "spec", None)
+    return spec if isinstance(spec, KVSpec) else None
+
+
+def _rows(blocks: Any, spec: KVSpec, what: str) -> np.ndarray:
+    """[n, block_bytes] uint8 view of a numpy array or CPU torch tensor of blocks."""
+    shape = tuple(blocks.shape)
+    if len(shape) != 6 or shape[1:] != spec.block_shape:
+        raise InvalidArgument(f"{what} has shape {shape}, expected [n, *{spec.block_shape}]")
+    if hasattr(blocks, "untyped_storage"):  # torch tensor
+        import torch
+
+        if not blocks.is_contiguous() or blocks.device.type != "cpu":
+            raise InvalidArgument(f"{what} must be a contiguous CPU tensor")
+        arr = blocks.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        arr = np.ascontiguousarray(blocks).reshape(-1).view(np.uint8)
+    return arr.reshape(shape[0], spec.block_bytes)
+
+
+class InProcessPool:
+    """A pool that lives in this process: ``capacity_blocks`` bounded, FIFO eviction."""
+
+    def __init__(self, spec: KVSpec, salt: bytes = b"", capacity_blocks: int = 65_536) -> None:
+        if capacity_blocks <= 0:
+            raise InvalidArgument("capacity_blocks must be positive")
+        self.spec = spec
+        self.namespace = Namespace(spec, salt)
+        self.capacity_blocks = capacity_blocks
+        self._blocks: dict[bytes, tuple[bytes, int]] = {}
+
+    def hashes(self, token_ids: Any) -> list[bytes]:
+        return block_hashes(self.namespace, token_ids)
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        for i, h in enumerate(hashes):
+            if h not in self._blocks:
+                return i
+        return len(hashes)
+
+    def put(self, hashes: Sequence[bytes], blocks: Any) -> int:
+        rows = _rows(blocks, self.spec, "blocks")
+        if rows.shape[0] != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+        stored = 0
+        for h, row in zip(hashes, rows):
+            if h in self._blocks:
+                continue
+            while len(self._blocks) >= self.capacity_blocks:
+                del self._blocks[next(iter(self._blocks))]
+            data = row.tobytes()
+            self._blocks[h] = (data, checksum64(data))
+            stored += 1
+        return stored
+
+    def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        rows = _rows(out, self.spec, "out")
+        if rows.shape[0] < len(hashes):
+            raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} asked for")
+        for i, h in enumerate(hashes):
+            entry = self._blocks.get(h)
+            if entry is None:
+                return i
+            rows[i] = np.frombuffer(entry[0], dtype=np.uint8)
+            if checksum64(rows[i]) != entry[1]:
+                return i
+        return len(hashes)
+
+    def corrupt(self, h: bytes) -> None:
+        """Flip one byte of a stored block without fixing its checksum (fault injection for tests)."""
+        data, check = self._blocks[h]
+        self._blocks[h] = (bytes([data[0] ^ 0xFF]) + data[1:], check)

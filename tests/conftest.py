@@ -1,0 +1,207 @@
+"""Shared test helpers: start a real ``kvpool serve`` daemon as a subprocess on loopback.
+
+``start_daemon`` is a plain function (usable from fixtures of any scope, or from a test
+that needs two daemons or a restart); ``pool_daemon`` is the function-scoped fixture
+most tests want. Every daemon binds 127.0.0.1 on a free port, keeps its arena in a
+private temporary directory (under /dev/shm when it exists), writes stderr to a temp
+file, and is stopped by PID (SIGTERM, then SIGKILL) in teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+_LIVE: list[DaemonHandle] = []  # every daemon started in this session, cleaned up at its end
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class DaemonHandle:
+    """A running ``kvpool serve`` subprocess."""
+
+    address: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    arena_dir: str
+    stderr_path: str
+    argv: list[str] = field(default_factory=list)
+    _stderr_file: object = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr(self) -> str:
+        """Everything the daemon wrote to stderr so far."""
+        try:
+            return pathlib.Path(self.stderr_path).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def arena_files(self) -> list[str]:
+        """Arena files currently in the daemon's arena directory."""
+        folder = pathlib.Path(self.arena_dir)
+        return sorted(str(p) for p in folder.glob("*.arena")) if folder.is_dir() else []
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM by PID, wait, then SIGKILL if it did not exit. Returns the exit code."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> int | None:
+        """SIGKILL by PID (no cleanup: the arena file stays until ``cleanup``)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(STOP_TIMEOUT_S)
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        """Stop the daemon and remove its temporary directory and stderr file."""
+        self.stop()
+        fh = self._stderr_file
+        if fh is not None:
+            with contextlib.suppress(Exception):
+                fh.close()  # type: ignore[attr-defined]
+        shutil.rmtree(self.arena_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.stderr_path)
+
+
+def _arena_parent() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _probe(address: str) -> bool:
+    """True once the daemon answers a real Stats call."""
+    import grpc
+
+    from kvpool.proto import pool_pb2, pool_pb2_grpc
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            pass
+    except OSError:
+        return False
+    channel = grpc.insecure_channel(address)
+    try:
+        pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
+def start_daemon(
+    *extra_args: str,
+    capacity: str = "64MiB",
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> DaemonHandle:
+    """Start ``kvpool serve`` on 127.0.0.1 and wait until it answers a Stats call.
+
+    ``extra_args`` are appended to the command line (e.g. ``"--lease-ttl-ms", "300"``);
+    ``env`` is added to a copy of the current environment. Pass ``port`` to restart a
+    daemon on the same address. Raises RuntimeError with the daemon's stderr when it
+    exits or does not answer within ``ready_timeout_s``. Call ``cleanup()`` when done.
+    """
+    port = port or free_port()
+    address = f"127.0.0.1:{port}"
+    arena_dir = tempfile.mkdtemp(prefix="kvpool-test-", dir=_arena_parent())
+    fd, stderr_path = tempfile.mkstemp(prefix="kvpool-daemon-", suffix=".stderr")
+    stderr_file = os.fdopen(fd, "wb")
+    argv = [
+        PYTHON, "-m", "kvpool.cli.main", "serve",
+        "--listen", address,
+        "--capacity-bytes", capacity,
+        "--arena-dir", arena_dir,
+        *extra_args,
+    ]  # fmt: skip
+    full_env = dict(os.environ)
+    for key in [k for k in full_env if k.startswith("KVPOOL_")]:
+        del full_env[key]  # the developer's own settings must not leak into tests
+    full_env.update(env or {})
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=stderr_file)
+    handle = DaemonHandle(address, port, proc, arena_dir, stderr_path, argv, stderr_file)
+    _LIVE.append(handle)
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        if proc.poll() is not None:
+            text = handle.stderr()
+            handle.cleanup()
+            raise RuntimeError(f"kvpool daemon on {address} exited with {proc.returncode} at start:\n{text}")
+        if _probe(address):
+            return handle
+        if time.monotonic() > deadline:
+            text = handle.stderr()
+            handle.cleanup()
+            raise RuntimeError(f"kvpool daemon on {address} not ready after {ready_timeout_s} s; stderr:\n{text}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_leftover_daemons() -> Iterator[None]:
+    """Safety net: a daemon a test forgot to clean up is stopped (by PID) when the session ends."""
+    yield
+    for handle in _LIVE:
+        handle.cleanup()
+
+
+@pytest.fixture
+def pool_daemon() -> Iterator[DaemonHandle]:
+    """A fresh daemon (64 MiB arena) for one test, stopped by PID afterwards."""
+    handle = start_daemon()
+    try:
+        yield handle
+    finally:
+        handle.cleanup()
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator[object]:
+    """``daemon_factory(*args, capacity=..., env=...)`` -> DaemonHandle; all are cleaned up afterwards."""
+    started: list[DaemonHandle] = []
+
+    def make(*extra_args: str, capacity: str = "64MiB", env: Mapping[str, str] | None = None,
+             port: int | None = None) -> DaemonHandle:  # fmt: skip
+        handle = start_daemon(*extra_args, capacity=capacity, env=env, port=port)
+        started.append(handle)
+        return handle
+
+    try:
+        yield make
+    finally:
+        for handle in reversed(started):
+            handle.cleanup()
