@@ -70,6 +70,46 @@ class TierConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Cluster mode of a node (all off by default: the embedded single-machine pool).
+
+    ``directory`` / ``etcd`` are comma-separated address lists. Setting either (or
+    ``data_listen``) starts the data-plane server; setting either of the first two also
+    registers the node with the directory leader and streams its KV events there.
+    """
+
+    directory: str = ""  # directory addresses, e.g. "127.0.0.1:7440,127.0.0.1:7441"
+    etcd: str = ""  # etcd client endpoints, e.g. "127.0.0.1:2379"
+    cluster: str = "default"  # etcd key prefix
+    data_listen: str = ""  # data-plane address; "" = 127.0.0.1 on a free port when clustered
+    transport: str = "tcp"  # data plane: "tcp" (sockets) or "ucx" (ucxx; falls back to tcp if missing)
+    host: str = ""  # host name peers compare to decide same-host (shared memory); "" = gethostname()
+    heartbeat_interval_ms: int = 500
+    liveness_ttl_s: int = 3  # etcd lease TTL of this node's liveness key
+    kv_events_endpoint: str = ""  # ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://127.0.0.1:5557
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("tcp", "ucx"):
+            raise InvalidArgument(f"transport {self.transport!r} is not 'tcp' or 'ucx'")
+        if self.heartbeat_interval_ms <= 0 or self.liveness_ttl_s <= 0:
+            raise InvalidArgument("heartbeat_interval_ms and liveness_ttl_s must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.directory or self.etcd or self.data_listen)
+
+    @property
+    def directory_list(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.directory.split(",") if a.strip())
+
+    @property
+    def etcd_list(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.etcd.split(",") if a.strip())
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     """Everything ``kvpool serve`` needs. See ``kvpool serve --help`` for each field."""
 
@@ -82,6 +122,7 @@ class DaemonConfig:
     max_message_bytes: int = 64 * MiB
     sweep_interval_ms: int = 500
     log_level: str = "INFO"
+    cluster: ClusterConfig = ClusterConfig()
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")

@@ -13,6 +13,7 @@ import signal
 import threading
 from concurrent import futures
 from types import FrameType
+from typing import Any
 
 import grpc
 
@@ -44,6 +45,7 @@ class PoolServer:
         service = PoolService(self.node, max_event_subscribers=max(1, config.grpc_workers // 2))
         pool_pb2_grpc.add_PoolServicer_to_server(service, self._server)
         self._stopped = threading.Event()
+        self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
 
     def start(self) -> None:
         try:
@@ -60,12 +62,23 @@ class PoolServer:
             )
         self._server.start()
         self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.store.sweep)
+        if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
+            from kvpool.daemon.cluster_node import ClusterAgent  # cluster mode only
+
+            self.cluster = ClusterAgent(self.node, self.config, self.supervisor)
+            try:
+                self.cluster.start()
+            except BaseException:  # e.g. the data-plane port is taken: shut down whole, then report
+                self.stop()
+                raise
         log.info("kvpool serving on %s (node %s)", self.config.listen, self.node.node_id)
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.cluster is not None:
+            self.cluster.stop()
         self.supervisor.stop()
         self.node.events.close()
         self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)

@@ -1,0 +1,459 @@
+"""``ClusterClient``: one pool across many nodes.
+
+    with ClusterClient.connect(spec, directory=["127.0.0.1:7440"], local="127.0.0.1:7450") as c:
+        h = c.hashes(token_ids)
+        c.put(h, blocks)             # where the directory places them (local node first)
+        n = c.get_into(h, out)       # each block from whichever node holds it
+
+Reads: one directory Lookup for the whole prompt says, per block, which nodes hold it.
+Each block is read from the best holder: the client's own node or another node on the
+same host through shared memory (``PoolClient``, one memcpy), any other node through the
+data plane (TCP sockets or UCX), runs on different peers in parallel. Every block is
+checksummed on arrival; a failed, timed-out or corrupt transfer is retried once from
+another holder and otherwise becomes a miss (logged with the peer's address): the
+result is always the count of leading blocks that are in ``out`` and verified.
+
+Writes: the directory's ``Place`` picks the nodes (local-first, most free space,
+``replicas`` distinct nodes). Hot blocks read from remote nodes ``replicate_after`` times
+are copied into the local node, so the next read is local.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvpool.client.blocks import block_rows
+from kvpool.client.pool_client import PoolClient, PutResult, hello_request
+from kvpool.core.errors import InvalidArgument, KVPoolError
+from kvpool.core.hashing import block_hashes, pack_hashes
+from kvpool.core.spec import KVSpec, Namespace
+from kvpool.directory.etcd import EtcdClient
+from kvpool.directory.link import DirectoryLink
+from kvpool.proto import directory_pb2, pool_pb2_grpc
+from kvpool.rpc.codec import channel_options
+from kvpool.rpc.errors import from_rpc_error
+from kvpool.transport.base import ReadItem, Transport
+from kvpool.transport.factory import make_transport
+
+log = logging.getLogger("kvpool.cluster_client")
+
+MAX_PARALLEL_PEERS = 8
+
+
+@dataclass(frozen=True)
+class Holder:
+    node_id: str
+    control_address: str
+    data_address: str
+    host: str
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    local_blocks: int = 0
+    same_host_blocks: int = 0
+    remote_blocks: int = 0
+    failed_runs: int = 0
+
+
+class ClusterClient:
+    def __init__(
+        self,
+        link: DirectoryLink,
+        namespace: Namespace,
+        transport: Transport,
+        local: PoolClient | None = None,
+        host: str = "",
+        replicate_after: int = 0,
+        same_host_shm: bool = True,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.link = link
+        self.namespace = namespace
+        self.spec = namespace.spec
+        self._ns = namespace.digest()
+        self.transport = transport
+        self.local = local
+        self.host = host or socket.gethostname()
+        self._host_from_local = False  # take the host name of the local node once the directory knows it
+        self.replicate_after = replicate_after
+        self.same_host_shm = same_host_shm
+        self.timeout_s = timeout_s
+        self._same_host: dict[str, PoolClient] = {}
+        self._hello_done: set[str] = set()
+        self._remote_reads: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(MAX_PARALLEL_PEERS, thread_name_prefix="kvpool-cc")
+        self.counters = {
+            "local_blocks": 0,
+            "same_host_blocks": 0,
+            "remote_blocks": 0,
+            "failed_runs": 0,
+            "retried_runs": 0,
+            "replicated_blocks": 0,
+        }
+
+    @classmethod
+    def connect(
+        cls,
+        spec: KVSpec,
+        salt: bytes = b"",
+        adapter: str = "",
+        directory: Sequence[str] = (),
+        etcd: Sequence[str] = (),
+        cluster: str = "default",
+        local: str = "",
+        transport: str = "tcp",
+        host: str = "",
+        replicate_after: int = 0,
+        same_host_shm: bool = True,
+        timeout_s: float = 10.0,
+    ) -> ClusterClient:
+        """Find the directory (through etcd or the given addresses) and, when ``local`` is
+        given, attach to that same-host node's arena."""
+        namespace = Namespace(spec, salt, adapter)
+        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s)
+        local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s) if local else None
+        try:
+            link.discover()
+            if not host and local_client is not None:
+                nodes = link.call("Nodes", directory_pb2.NodesRequest()).nodes
+                host = next((n.host for n in nodes if n.node_id == local_client.node_id), "")
+            return cls(
+                link,
+                namespace,
+                make_transport(transport, timeout_s),
+                local_client,
+                host,
+                replicate_after,
+                same_host_shm,
+                timeout_s,
+            )
+        except BaseException:
+            if local_client is not None:
+                local_client.close()
+            link.close()
+            raise
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- lookups -------------------------------------------------------------------------
+    def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
+        return block_hashes(self.namespace, token_ids, extras)
+
+    def locate(self, hashes: Sequence[bytes], lease_ms: int = 0) -> tuple[list[list[Holder]], int]:
+        """Per leading cached block, its holders; plus the directory lease id (0 if none)."""
+        if not hashes:
+            return [], 0
+        reply = self.link.call(
+            "Lookup",
+            directory_pb2.LookupRequest(
+                namespace=self._ns,
+                hashes=pack_hashes(hashes),
+                lease_ms=lease_ms,
+                client_node=self.local.node_id if self.local else "",
+            ),
+        )
+        if self._host_from_local:
+            self._learn_host(reply.nodes)
+        nodes = [Holder(n.node_id, n.control_address, n.data_address, n.host) for n in reply.nodes]
+        out: list[list[Holder]] = []
+        for mask in reply.holder_masks[: reply.hits]:
+            out.append([node for bit, node in enumerate(nodes) if mask >> bit & 1])
+        return out, int(reply.lease_id)
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``hashes`` held by some live node."""
+        return len(self.locate(hashes)[0])
+
+    def _learn_host(self, nodes: Sequence[Any]) -> None:
+        """Clients attached to a node live on that node's host (as the directory names it)."""
+        for info in nodes:
+            if self.local is not None and info.node_id == self.local.node_id and info.host:
+                self.host = info.host
+                self._host_from_local = False
+                return
+
+    # -- reads ---------------------------------------------------------------------------
+    def _rank(self, holder: Holder) -> int:
+        if self.local is not None and holder.node_id == self.local.node_id:
+            return 0
+        if self.same_host_shm and holder.host == self.host:
+            return 1
+        return 2
+
+    def _plan(self, holders: list[list[Holder]]) -> list[tuple[Holder, int, int]]:
+        """Contiguous runs (holder, start, end): best rank first, staying on one holder."""
+        runs: list[tuple[Holder, int, int]] = []
+        for i, options in enumerate(holders):
+            best = min(self._rank(h) for h in options)
+            candidates = [h for h in options if self._rank(h) == best]
+            if runs and runs[-1][0] in candidates and runs[-1][2] == i:
+                holder, start, _ = runs[-1]
+                runs[-1] = (holder, start, i + 1)
+            else:
+                runs.append((candidates[0], i, i + 1))
+        return runs
+
+    def _same_host_client(self, holder: Holder) -> PoolClient:
+        with self._lock:
+            client = self._same_host.get(holder.node_id)
+        if client is None:
+            client = PoolClient.connect(
+                holder.control_address, self.spec, self.namespace.salt, self.namespace.adapter, self.timeout_s
+            )
+            with self._lock:
+                self._same_host[holder.node_id] = client
+        return client
+
+    def _read_run(
+        self,
+        holder: Holder,
+        hashes: Sequence[bytes],
+        rows: np.ndarray,
+        out: Any,
+        start: int,
+        byte_range: tuple[int, int] | None = None,
+    ) -> int:
+        """Read one run; returns how many of its leading blocks are in place and verified.
+        ``rows`` are uint8 rows of ``out`` (whole blocks, or the ``byte_range`` of each)."""
+        rank = self._rank(holder)
+        n = len(hashes)
+        try:
+            if rank in (0, 1):
+                client = self.local if rank == 0 else self._same_host_client(holder)
+                assert client is not None
+                if byte_range is None:
+                    got = client.get_into(hashes, out[start : start + n])
+                else:  # shared memory moves whole blocks: read them, keep the range
+                    scratch = np.empty((n, *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+                    got = client.get_into(hashes, scratch)
+                    offset, length = byte_range
+                    flat = scratch.reshape(n, -1).view(np.uint8)
+                    rows[start : start + got] = flat[:got, offset : offset + length]
+                self.counters["local_blocks" if rank == 0 else "same_host_blocks"] += got
+                return got
+        except KVPoolError as err:
+            log.warning(
+                "read of %d blocks from node %s (%s) failed: %s; they are misses",
+                n,
+                holder.node_id,
+                holder.control_address,
+                err,
+            )
+            return 0
+        if byte_range is None:
+            items = [ReadItem(h) for h in hashes]
+        else:
+            items = [ReadItem(h, byte_range[0], byte_range[1]) for h in hashes]
+        result = self.transport.read(holder.data_address, self._ns, items, [rows[start + i] for i in range(n)])
+        self.counters["remote_blocks"] += result.ok
+        if result.ok and self.replicate_after > 0 and byte_range is None:
+            self._count_remote(hashes[: result.ok], rows[start : start + result.ok])
+        return result.ok
+
+    def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Read the leading cached blocks of ``hashes`` into ``out`` from wherever they are.
+        Returns how many leading rows are read and verified; the rest must be recomputed."""
+        rows = block_rows(out, self.spec, "out", writable=True)
+        if rows.shape[0] < len(hashes):
+            raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} were asked for")
+        return self._get(hashes, rows, out, None)
+
+    def get_layers_into(self, hashes: Sequence[bytes], first_layer: int, num_layers: int, out: np.ndarray) -> int:
+        """Read layers [first_layer, first_layer + num_layers) of the leading cached blocks
+        into ``out`` ([n, num_layers, k|v, kv_heads, tokens, head_dim], spec dtype): the
+        canonical layout is layer-major, so remote nodes send only that byte range."""
+        offset, length = self.spec.layer_range_bytes(first_layer, num_layers)
+        expected = (num_layers, *self.spec.block_shape[1:])
+        if out.dtype != self.spec.numpy_dtype or tuple(out.shape[1:]) != expected or not out.flags.c_contiguous:
+            raise InvalidArgument(
+                f"out must be a C-contiguous {self.spec.numpy_dtype} array [n, {', '.join(map(str, expected))}]"
+            )
+        if out.shape[0] < len(hashes):
+            raise InvalidArgument(f"out holds {out.shape[0]} blocks, {len(hashes)} were asked for")
+        rows = out.reshape(-1).view(np.uint8).reshape(out.shape[0], length)
+        return self._get(hashes, rows, out, (offset, length))
+
+    def _get(self, hashes: Sequence[bytes], rows: np.ndarray, out: Any, byte_range: tuple[int, int] | None) -> int:
+        if not hashes:
+            return 0
+        try:
+            holders, _ = self.locate(hashes)
+        except KVPoolError as err:
+            log.warning("directory lookup failed (%s): every block is a miss", err)
+            return 0
+        runs = self._plan(holders)
+        # runs on other holders go to the pool; the first runs here (polling UCX progress
+        # from the calling thread is the fastest path, and most prompts are one run)
+        futures: list[tuple[Holder, int, int, Future[int] | None]] = [(*runs[0], None)] if runs else []
+        futures += [
+            (
+                holder,
+                start,
+                end,
+                self._pool.submit(self._read_run, holder, hashes[start:end], rows, out, start, byte_range),
+            )
+            for holder, start, end in runs[1:]
+        ]
+        good = 0
+        try:
+            for holder, start, end, future in futures:
+                if future is not None:
+                    got = future.result()
+                else:
+                    got = self._read_run(holder, hashes[start:end], rows, out, start, byte_range)
+                if got == end - start and good == start:
+                    good = end
+                    continue
+                if good != start:
+                    break  # an earlier run fell short: everything after it is a miss anyway
+                self.counters["failed_runs"] += 1
+                good = start + got
+                alternatives = [h for h in holders[good] if h != holder] if good < len(holders) else []
+                if alternatives:  # one retry of the rest of this run from another holder
+                    self.counters["retried_runs"] += 1
+                    alt = min(alternatives, key=self._rank)
+                    stop = good
+                    while stop < end and alt in holders[stop]:
+                        stop += 1
+                    good += self._read_run(alt, hashes[good:stop], rows, out, good, byte_range)
+                break
+        finally:
+            for _, _, _, future in futures:  # no transfer may still write into out after we return
+                if future is not None:
+                    future.exception()
+        return good
+
+    def get(self, hashes: Sequence[bytes]) -> np.ndarray:
+        out = np.empty((len(hashes), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        n = self.get_into(hashes, out)
+        return out[:n]
+
+    def _count_remote(self, hashes: Sequence[bytes], rows: np.ndarray) -> None:
+        hot: list[int] = []
+        with self._lock:
+            for i, key in enumerate(hashes):
+                count = self._remote_reads.get(key, 0) + 1
+                self._remote_reads[key] = count
+                if count == self.replicate_after:
+                    hot.append(i)
+            if len(self._remote_reads) > 1_000_000:  # bound the counter table
+                self._remote_reads.clear()
+        if hot and self.local is not None:
+            blocks = rows[hot].view(self.spec.numpy_dtype).reshape(len(hot), *self.spec.block_shape)
+            try:
+                result = self.local.put([hashes[i] for i in hot], blocks)
+                self.counters["replicated_blocks"] += result.stored
+            except KVPoolError as err:
+                log.info("replicating %d hot blocks locally failed: %s", len(hot), err)
+
+    # -- writes --------------------------------------------------------------------------
+    def _hello(self, holder: Holder) -> None:
+        if holder.node_id in self._hello_done:
+            return
+        channel = grpc.insecure_channel(holder.control_address, options=channel_options(64 << 20))
+        try:
+            pool_pb2_grpc.PoolStub(channel).Hello(hello_request(self.namespace), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, holder.control_address) from None
+        finally:
+            channel.close()
+        self._hello_done.add(holder.node_id)
+
+    def put(self, hashes: Sequence[bytes], blocks: Any, replicas: int = 1) -> PutResult:
+        """Store blocks where the directory places them; returns the first target's result."""
+        rows = block_rows(blocks, self.spec, "blocks")
+        if rows.shape[0] != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+        if not hashes:
+            return PutResult(0, 0, 0, 0)
+        reply = self.link.call(
+            "Place",
+            directory_pb2.PlaceRequest(
+                namespace=self._ns,
+                blocks=len(hashes),
+                block_bytes=self.spec.block_bytes,
+                client_node=self.local.node_id if self.local else "",
+                replicas=replicas,
+            ),
+        )
+        results: list[PutResult] = []
+        for n in reply.nodes:
+            holder = Holder(n.node_id, n.control_address, n.data_address, n.host)
+            results.append(self._put_on(holder, hashes, blocks, rows))
+        return results[0] if results else PutResult(0, 0, 0, 0)
+
+    def put_on(self, node_id: str, hashes: Sequence[bytes], blocks: Any) -> PutResult:
+        """Store blocks on one named node (tests, manual replication)."""
+        rows = block_rows(blocks, self.spec, "blocks")
+        nodes = self.link.call("Nodes", directory_pb2.NodesRequest()).nodes
+        for n in nodes:
+            if n.node_id == node_id:
+                return self._put_on(Holder(n.node_id, n.control_address, n.data_address, n.host), hashes, blocks, rows)
+        raise InvalidArgument(f"node {node_id} is not registered with the directory")
+
+    def _put_on(self, holder: Holder, hashes: Sequence[bytes], blocks: Any, rows: np.ndarray) -> PutResult:
+        rank = self._rank(holder)
+        try:
+            if rank == 0:
+                assert self.local is not None
+                return self.local.put(hashes, blocks)
+            if rank == 1:
+                return self._same_host_client(holder).put(hashes, blocks)
+            self._hello(holder)
+        except KVPoolError as err:
+            log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, err)
+            return PutResult(0, 0, 0, 0)
+        result = self.transport.write(holder.data_address, self._ns, hashes, rows)
+        if result.reason:
+            log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, result.reason)
+        return PutResult(result.stored, result.already_present, result.in_flight, result.checksum_failed)
+
+    # -- management ----------------------------------------------------------------------
+    def remove(self, hashes: Sequence[bytes]) -> int:
+        reply = self.link.call("Remove", directory_pb2.RemoveRequest(namespace=self._ns, hashes=pack_hashes(hashes)))
+        return int(reply.removed)
+
+    def pin(self, hashes: Sequence[bytes], ttl_ms: int | None = None) -> int:
+        reply = self.link.call(
+            "Pin",
+            directory_pb2.PinRequest(
+                namespace=self._ns, hashes=pack_hashes(hashes), hard=ttl_ms is None, ttl_ms=ttl_ms or 0
+            ),
+        )
+        return int(reply.changed)
+
+    def unpin(self, hashes: Sequence[bytes]) -> int:
+        reply = self.link.call(
+            "Pin", directory_pb2.PinRequest(namespace=self._ns, hashes=pack_hashes(hashes), unpin=True)
+        )
+        return int(reply.changed)
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(self.link.call("Stats", directory_pb2.StatsRequest()).json)
+        result["client"] = dict(self.counters)
+        return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self._same_host.values():
+            client.close()
+        if self.local is not None:
+            self.local.close()
+        self.transport.close()
+        self.link.close()

@@ -1,0 +1,247 @@
+"""Cluster mode of a node: the data-plane server over the node's arena, liveness in etcd,
+registration with the directory leader, and streaming the node's KV events to it.
+
+The node stays the source of truth: on (re)registration it sends a full snapshot of its
+blocks (consistent with an event seq), then every event after that seq, in order, in
+heartbeats. When the directory answers ``resync`` (it restarted, failed over, or saw a
+gap) the node registers again with a fresh snapshot. Losing the directory or etcd never
+stops the node: it keeps serving its local clients and peers and retries in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.core.config import DaemonConfig
+from kvpool.core.errors import KVPoolError, LeaseExpired
+from kvpool.core.events import KVEvent
+from kvpool.core.hashing import HASH_SCHEME, pack_hashes
+from kvpool.daemon.node import PoolNode
+from kvpool.daemon.supervisor import Supervisor
+from kvpool.directory.etcd import EtcdClient, Membership
+from kvpool.directory.link import DirectoryLink
+from kvpool.directory.state import TIER_CODES
+from kvpool.proto import directory_pb2
+from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
+from kvpool.transport.factory import make_data_server
+
+log = logging.getLogger("kvpool.cluster")
+
+MAX_EVENTS_PER_HEARTBEAT = 512
+RETRY_DELAY_S = 0.5
+
+
+class NodeBlockStore:
+    """``BlockStore`` (the data plane's view of a node) over a ``PoolNode``."""
+
+    def __init__(self, node: PoolNode) -> None:
+        self._node = node
+
+    def arena(self) -> np.ndarray:
+        return self._node.arena.view
+
+    def block_bytes(self, namespace: bytes) -> int:
+        return self._node.namespace(namespace).spec.block_bytes
+
+    def lease(self, namespace: bytes, keys: Sequence[bytes]) -> LeasedBlocks:
+        """Lease the leading keys that exist *in this namespace*: a peer that learned another
+        tenant's block hash (from KV events, say) still cannot read that tenant's bytes."""
+        store = self._node.store
+        n = 0
+        for key in keys:
+            entry = store.entry(key)
+            if entry is None or entry.namespace != namespace:
+                break
+            n += 1
+        grant = store.lease(keys[:n])
+        return LeasedBlocks(grant.lease_id, [(loc.offset, loc.size, loc.checksum) for loc in grant.locations])
+
+    def release(self, lease_id: int) -> None:
+        try:
+            self._node.store.release(lease_id)
+        except LeaseExpired:
+            log.warning("data plane: lease %d expired while its bytes were being sent", lease_id)
+
+    def put_start(self, namespace: bytes, keys: Sequence[bytes]) -> PutSlots:
+        grant = self._node.store.put_start(namespace, keys, self.block_bytes(namespace))
+        return PutSlots(grant.put_id, list(grant.slots), len(grant.already_present), len(grant.in_flight))
+
+    def put_commit(self, put_id: int, checksums: Sequence[int]) -> tuple[int, int]:
+        result = self._node.store.put_commit(put_id, checksums)
+        return result.committed, len(result.checksum_failed)
+
+    def put_abort(self, put_id: int) -> None:
+        self._node.store.put_abort(put_id)
+
+
+def namespace_msgs(node: PoolNode, skip: set[bytes]) -> list[directory_pb2.NamespaceSpec]:
+    return [
+        directory_pb2.NamespaceSpec(
+            namespace=ns.digest, spec_digest=ns.spec.digest(), spec_json=json.dumps(ns.spec.to_dict(), sort_keys=True)
+        )
+        for ns in node.namespaces()
+        if ns.digest not in skip
+    ]
+
+
+def event_msg(event: KVEvent) -> directory_pb2.BlockEvent:
+    return directory_pb2.BlockEvent(
+        seq=event.seq, kind=event.kind.value, hashes=b"".join(event.hashes), tier=event.tier, namespace=event.namespace
+    )
+
+
+class ClusterAgent:
+    """Everything a node does in cluster mode; started and stopped by ``PoolServer``."""
+
+    def __init__(self, node: PoolNode, config: DaemonConfig, supervisor: Supervisor) -> None:
+        self.node = node
+        self.config = config
+        self.cluster = config.cluster
+        self.supervisor = supervisor
+        self.incarnation = (time.time_ns() ^ (os.getpid() << 20)) & ((1 << 63) - 1)
+        self.host = self.cluster.host or socket.gethostname()
+        self.data_server: DataServer | None = None
+        self.etcd = EtcdClient(list(self.cluster.etcd_list)) if self.cluster.etcd_list else None
+        self.membership: Membership | None = None
+        self.link: DirectoryLink | None = None
+        self.registered = False
+        self._sent_namespaces: set[bytes] = set()
+        self._next_seq = 1
+        self.publisher: object | None = None
+
+    @property
+    def data_address(self) -> str:
+        return self.data_server.address if self.data_server is not None else ""
+
+    def start(self) -> None:
+        if self.cluster.enabled:
+            listen = self.cluster.data_listen or f"{self.config.listen.rpartition(':')[0]}:0"
+            self.data_server = make_data_server(self.cluster.transport, NodeBlockStore(self.node), listen)
+            self.data_server.start()
+            log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)
+        if self.etcd is not None:
+            self.membership = Membership(
+                self.etcd, self.cluster.cluster, self.node.node_id, self._info(), self.cluster.liveness_ttl_s
+            )
+            self.membership.tick()
+            period_ms = max(100, self.cluster.liveness_ttl_s * 1000 // 3)
+            self.supervisor.every("etcd-liveness", period_ms, self.membership.tick)
+        if self.cluster.directory_list or self.etcd is not None:
+            self.link = DirectoryLink(self.cluster.directory_list, self.etcd, self.cluster.cluster)
+            self.supervisor.spawn("directory-sync", self._sync_loop)
+        if self.cluster.kv_events_endpoint:
+            from kvpool.daemon.cluster_events import VllmEventPublisher
+
+            publisher = VllmEventPublisher(
+                self.cluster.kv_events_endpoint, self.cluster.kv_events_topic, self.cluster.kv_events_replay_endpoint
+            )
+            self.publisher = publisher
+            self.supervisor.spawn("kv-events", lambda: publisher.run(self.node.events, self.supervisor.stopping))
+
+    def _info(self) -> dict[str, object]:
+        return {
+            "control_address": self.config.listen,
+            "data_address": self.data_address,
+            "transport": self.cluster.transport,
+            "host": self.host,
+        }
+
+    def _node_msg(self) -> directory_pb2.NodeInfo:
+        summary = self.node.store.summary()
+        return directory_pb2.NodeInfo(
+            node_id=self.node.node_id,
+            control_address=self.config.listen,
+            data_address=self.data_address,
+            transport=self.cluster.transport,
+            host=self.host,
+            capacity_bytes=summary["capacity_bytes"],
+            used_bytes=summary["used_bytes"],
+            alive=True,
+        )
+
+    def register(self) -> None:
+        assert self.link is not None
+        last_seq = self.node.events.last_seq  # first: events after it are replayed on top of the snapshot
+        keys = self.node.store.snapshot_keys()
+        namespaces = namespace_msgs(self.node, set())
+        request = directory_pb2.RegisterRequest(
+            node=self._node_msg(),
+            hash_scheme=HASH_SCHEME,
+            namespaces=namespaces,
+            incarnation=self.incarnation,
+            last_seq=last_seq,
+            hashes=pack_hashes(keys),
+            tiers=bytes([TIER_CODES["host"]]) * len(keys),
+        )
+        self.link.call("Register", request)
+        self._sent_namespaces = {ns.namespace for ns in namespaces}
+        self._next_seq = last_seq + 1
+        self.registered = True
+        log.info(
+            "node %s registered with directory %s (%d blocks, seq %d)",
+            self.node.node_id,
+            self.link.leader,
+            len(keys),
+            last_seq,
+        )
+
+    def heartbeat(self, events: list[KVEvent]) -> bool:
+        """Send events (may be empty); returns False when the directory wants a resync."""
+        assert self.link is not None
+        summary = self.node.store.summary()
+        new_ns = namespace_msgs(self.node, self._sent_namespaces)
+        reply = self.link.call(
+            "Heartbeat",
+            directory_pb2.HeartbeatRequest(
+                node_id=self.node.node_id,
+                incarnation=self.incarnation,
+                used_bytes=summary["used_bytes"],
+                capacity_bytes=summary["capacity_bytes"],
+                events=[event_msg(e) for e in events],
+                namespaces=new_ns,
+            ),
+        )
+        self._sent_namespaces.update(ns.namespace for ns in new_ns)
+        if reply.resync:
+            return False
+        if events:
+            self._next_seq = events[-1].seq + 1
+        return True
+
+    def _sync_loop(self) -> None:
+        wait_s = self.cluster.heartbeat_interval_ms / 1000.0
+        complained = False
+        while not self.supervisor.stopping.is_set():
+            try:
+                if not self.registered:
+                    self.register()
+                    complained = False
+                events = self.node.events.read_from(self._next_seq, wait_s=wait_s)[:MAX_EVENTS_PER_HEARTBEAT]
+                if self.supervisor.stopping.is_set():
+                    return
+                if not self.heartbeat(events):
+                    log.info("node %s: directory asked for a resync", self.node.node_id)
+                    self.registered = False
+            except KVPoolError as err:
+                if not complained:
+                    log.warning("node %s: directory unreachable or refused (%s); retrying", self.node.node_id, err)
+                    complained = True
+                self.registered = False
+                if self.link is not None:
+                    self.link.close()
+                self.supervisor.stopping.wait(RETRY_DELAY_S)
+
+    def stop(self) -> None:
+        if self.membership is not None:
+            self.membership.leave()
+        if self.data_server is not None:
+            self.data_server.stop()
+        if self.link is not None:
+            self.link.close()

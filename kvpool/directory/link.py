@@ -1,0 +1,119 @@
+"""Finding and calling the directory leader, for nodes and clients.
+
+The leader is found through etcd (the election key) when etcd endpoints are given, else
+by asking each configured directory address. A call that reaches a standby (NOT_LEADER)
+or a dead leader (UNAVAILABLE) rediscovers the leader and is retried once, so a failover
+costs the caller one extra round trip, not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvpool.core.errors import InvalidArgument, NotLeader, Unavailable
+from kvpool.directory.etcd import EtcdClient, find_leader
+from kvpool.proto import directory_pb2, directory_pb2_grpc
+from kvpool.rpc.codec import channel_options
+from kvpool.rpc.errors import from_rpc_error
+
+log = logging.getLogger("kvpool.directory.link")
+
+T = TypeVar("T")
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class DirectoryLink:
+    def __init__(
+        self,
+        addresses: Sequence[str] = (),
+        etcd: EtcdClient | None = None,
+        cluster: str = "default",
+        timeout_s: float = 5.0,
+    ) -> None:
+        if not addresses and etcd is None:
+            raise InvalidArgument("no directory address and no etcd endpoint", hint="pass --directory or --etcd")
+        self.addresses = list(addresses)
+        self.etcd = etcd
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._leader = ""
+        self._channel: grpc.Channel | None = None
+        self._stub: directory_pb2_grpc.DirectoryStub | None = None
+
+    @property
+    def leader(self) -> str:
+        return self._leader
+
+    def _stub_for(self, address: str) -> tuple[grpc.Channel, directory_pb2_grpc.DirectoryStub]:
+        channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        return channel, directory_pb2_grpc.DirectoryStub(channel)
+
+    def discover(self) -> str:
+        """Find the leader now (etcd first, then each configured address)."""
+        errors: list[str] = []
+        if self.etcd is not None:
+            try:
+                return self._use(find_leader(self.etcd, self.cluster))
+            except Unavailable as err:
+                errors.append(str(err))
+        for address in self.addresses:
+            channel, stub = self._stub_for(address)
+            try:
+                reply = stub.Leader(directory_pb2.LeaderRequest(), timeout=min(self.timeout_s, 2.0))
+            except grpc.RpcError as exc:
+                errors.append(f"{address}: {from_rpc_error(exc, address)}")
+                channel.close()
+                continue
+            channel.close()
+            if reply.is_leader:
+                return self._use(address)
+            if reply.leader:
+                return self._use(reply.leader)
+        raise Unavailable(
+            f"no directory leader found ({'; '.join(errors) or 'no candidates'})",
+            hint="start 'kvpool directory' and check --directory / --etcd",
+        )
+
+    def _use(self, address: str) -> str:
+        with self._lock:
+            if address != self._leader or self._stub is None:
+                if self._channel is not None:
+                    self._channel.close()
+                self._channel, self._stub = self._stub_for(address)
+                self._leader = address
+        return address
+
+    def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
+        """Call ``Directory.<name>`` on the leader, rediscovering it once on failover."""
+        for attempt in range(2):
+            if self._stub is None:
+                self.discover()
+            stub, leader = self._stub, self._leader
+            assert stub is not None
+            try:
+                return getattr(stub, name)(request, timeout=timeout_s or self.timeout_s)
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc, leader)
+                if attempt == 0 and isinstance(err, NotLeader | Unavailable):
+                    log.info("directory at %s: %s; finding the leader again", leader, err.message)
+                    with self._lock:
+                        self._stub = None
+                    continue
+                raise err from None
+        raise Unavailable("directory call failed after rediscovery")  # unreachable
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+
+
+Call = Callable[..., Any]

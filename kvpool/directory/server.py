@@ -1,0 +1,156 @@
+"""``kvpool directory``: the composition of the directory service.
+
+State in memory (``DirectoryState``), persisted to RocksDB under ``data_dir`` when one is
+given; node liveness from heartbeats and, with etcd, from each node's etcd lease; leader
+election through etcd when endpoints are given (else this instance simply leads).
+Background work (expiry, flush, election, etcd watch) runs under one ``Supervisor``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import grpc
+
+from kvpool.core.clock import Clock, MonotonicClock
+from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.daemon.supervisor import Supervisor
+from kvpool.directory.etcd import EtcdClient, LeaderElection, live_nodes
+from kvpool.directory.service import DirectoryService
+from kvpool.directory.state import DirectoryDB, DirectoryState
+from kvpool.proto import directory_pb2_grpc
+from kvpool.rpc.codec import channel_options
+
+log = logging.getLogger("kvpool.directory.server")
+
+
+@dataclass(frozen=True)
+class DirectoryConfig:
+    listen: str = "127.0.0.1:7440"
+    advertise: str = ""  # address others use to reach this instance (default: listen)
+    data_dir: str = ""  # RocksDB directory; empty = state in memory only
+    etcd: tuple[str, ...] = ()
+    cluster: str = "default"
+    node_ttl_ms: int = 5_000  # a node without a heartbeat for this long is dropped
+    election_ttl_s: int = 2
+    flush_interval_ms: int = 1_000
+    expire_interval_ms: int = 250
+    grpc_workers: int = 16
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"listen address {self.listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:7440")
+        if self.node_ttl_ms <= 0 or self.election_ttl_s <= 0:
+            raise InvalidArgument("node_ttl_ms and election_ttl_s must be positive")
+
+
+class DirectoryServer:
+    def __init__(self, config: DirectoryConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.supervisor = Supervisor()
+        self.db = DirectoryDB(config.data_dir) if config.data_dir else None
+        self.state = DirectoryState(clock or MonotonicClock(), config.node_ttl_ms, self.db)
+        self.etcd = EtcdClient(list(config.etcd)) if config.etcd else None
+        self.address = config.advertise or config.listen
+        self.election = (
+            LeaderElection(self.etcd, config.cluster, self.address, config.election_ttl_s) if self.etcd else None
+        )
+        self.etcd_nodes_ok = True
+        self.service = DirectoryService(self.state, self.is_leader, self.leader, self._extra_stats)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
+            options=channel_options(config.max_message_bytes),
+        )
+        directory_pb2_grpc.add_DirectoryServicer_to_server(self.service, self._server)
+        self._stopped = threading.Event()
+
+    def is_leader(self) -> bool:
+        return self.election.is_leader if self.election is not None else True
+
+    def leader(self) -> str:
+        if self.election is None:
+            return self.address
+        return self.election.leader_address
+
+    def _extra_stats(self) -> dict[str, Any]:
+        if self.etcd is None:
+            return {"etcd": "not configured (single directory, heartbeat liveness)"}
+        assert self.election is not None
+        if self.election.etcd_ok and self.etcd_nodes_ok:
+            return {"etcd": "ok"}
+        return {
+            "etcd": "unreachable: serving from current state; cannot fail over, admit liveness leases, "
+            "or notice node deaths except by heartbeat timeout"
+        }
+
+    def start(self) -> None:
+        try:
+            port = self._server.add_insecure_port(self.config.listen)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise Unavailable(
+                f"directory cannot listen on {self.config.listen}", hint="pick a free port with --listen 127.0.0.1:PORT"
+            )
+        if self.election is not None:
+            self.election.tick()
+            period_ms = max(100, self.config.election_ttl_s * 1000 // 3)
+            self.supervisor.every("election", period_ms, self.election.tick)
+            self.supervisor.every("etcd-nodes", self.config.expire_interval_ms, self._check_etcd_nodes)
+        self._server.start()
+        self.supervisor.every("expire", self.config.expire_interval_ms, self._expire)
+        if self.db is not None:
+            self.supervisor.every("flush", self.config.flush_interval_ms, self.state.flush)
+        log.info("directory on %s (leader: %s)", self.address, self.leader() or "electing")
+
+    def _expire(self) -> None:
+        if self.is_leader():
+            self.state.expire()
+            self.service.flush_removes()
+
+    def _check_etcd_nodes(self) -> None:
+        """Drop nodes whose etcd liveness key is gone (their lease expired: SIGKILL, partition)."""
+        if self.etcd is None or not self.is_leader():
+            return
+        started = self.state._clock.now_ms()
+        try:
+            alive = live_nodes(self.etcd, self.config.cluster)
+        except Unavailable:
+            self.etcd_nodes_ok = False
+            return
+        self.etcd_nodes_ok = True
+        for node in self.state.nodes():
+            if node.node_id not in alive and node.confirmed and node.last_registered_ms < started:
+                self.state.mark_dead(node.node_id, "its etcd liveness lease expired")
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.supervisor.stop()
+        if self.election is not None:
+            self.election.resign()
+        self._server.stop(2.0).wait(3.0)
+        if self.db is not None:
+            self.state.flush()
+            self.db.close()
+
+    def wait(self) -> int:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self.supervisor.stopping.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not self.supervisor.stopping.wait(0.5):
+            pass
+        failed = self.supervisor.failure is not None
+        self.stop()
+        return 1 if failed else 0

@@ -1,0 +1,203 @@
+"""The Directory gRPC service: decode, check leadership, call ``DirectoryState``, encode.
+
+Only the leader answers (except ``Leader``, which every instance answers); a standby
+raises NOT_LEADER naming the leader, and ``DirectoryLink`` redirects. Removes and pins
+are forwarded to the holder nodes over their Pool control service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvpool.core.errors import InvalidArgument, KVPoolError, NotLeader
+from kvpool.core.hashing import pack_hashes, unpack_hashes
+from kvpool.directory.state import DirectoryState, EventIn, NodeRecord
+from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
+from kvpool.rpc.codec import channel_options
+from kvpool.rpc.errors import from_rpc_error, typed_handler
+
+log = logging.getLogger("kvpool.directory.service")
+
+FORWARD_TIMEOUT_S = 5.0
+
+
+def node_to_msg(node: NodeRecord) -> directory_pb2.NodeInfo:
+    return directory_pb2.NodeInfo(
+        node_id=node.node_id,
+        control_address=node.control_address,
+        data_address=node.data_address,
+        transport=node.transport,
+        host=node.host,
+        capacity_bytes=node.capacity_bytes,
+        used_bytes=node.used_bytes,
+        alive=node.alive,
+    )
+
+
+class DirectoryService(directory_pb2_grpc.DirectoryServicer):
+    def __init__(
+        self,
+        state: DirectoryState,
+        is_leader: Callable[[], bool],
+        leader: Callable[[], str],
+        extra_stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.state = state
+        self._is_leader = is_leader
+        self._leader = leader
+        self._extra_stats = extra_stats
+        self._stubs: dict[str, pool_pb2_grpc.PoolStub] = {}
+        self._stubs_lock = threading.Lock()
+
+    def _lead(self) -> None:
+        if not self._is_leader():
+            leader = self._leader()
+            raise NotLeader(
+                f"this directory is a standby; the leader is {leader or 'not elected yet'}",
+                hint=f"call {leader}" if leader else "retry in a moment",
+            )
+
+    def _node_stub(self, address: str) -> pool_pb2_grpc.PoolStub:
+        with self._stubs_lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = pool_pb2_grpc.PoolStub(grpc.insecure_channel(address, options=channel_options(64 << 20)))
+                self._stubs[address] = stub
+            return stub
+
+    def forward(self, groups: dict[str, list[bytes]], namespace: bytes, call: str, **fields: Any) -> int:
+        """Send a Remove / Pin for each node's keys to that node; returns the sum of changes."""
+        changed = 0
+        for node_id, keys in groups.items():
+            node = self.state.node(node_id)
+            if node is None:
+                continue
+            stub = self._node_stub(node.control_address)
+            try:
+                if call == "Remove":
+                    req = pool_pb2.HashesRequest(namespace=namespace, hashes=pack_hashes(keys))
+                    changed += stub.Remove(req, timeout=FORWARD_TIMEOUT_S).removed
+                else:
+                    req2 = pool_pb2.PinRequest(namespace=namespace, hashes=pack_hashes(keys), **fields)
+                    changed += stub.Pin(req2, timeout=FORWARD_TIMEOUT_S).changed
+            except grpc.RpcError as exc:
+                log.warning(
+                    "directory: %s on node %s failed: %s", call, node_id, from_rpc_error(exc, node.control_address)
+                )
+        return changed
+
+    @staticmethod
+    def _namespaces(msgs: Any) -> list[tuple[bytes, bytes, str]]:
+        return [(m.namespace, m.spec_digest, m.spec_json) for m in msgs]
+
+    @typed_handler
+    def Register(self, request: directory_pb2.RegisterRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        n = request.node
+        if not n.node_id or not n.data_address:
+            raise InvalidArgument("a node registers with a node_id and a data_address")
+        record = NodeRecord(
+            node_id=n.node_id,
+            control_address=n.control_address,
+            data_address=n.data_address,
+            transport=n.transport or "tcp",
+            host=n.host,
+            capacity_bytes=n.capacity_bytes,
+            used_bytes=n.used_bytes,
+            incarnation=request.incarnation,
+            last_seq=request.last_seq,
+        )
+        epoch = self.state.register(
+            record,
+            request.hash_scheme,
+            self._namespaces(request.namespaces),
+            unpack_hashes(request.hashes),
+            request.tiers,
+        )
+        return directory_pb2.RegisterReply(epoch=epoch, leader=self._leader())
+
+    @typed_handler
+    def Heartbeat(self, request: directory_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        events = [EventIn(e.seq, e.kind, unpack_hashes(e.hashes), e.tier or "host") for e in request.events]
+        resync, acked = self.state.heartbeat(
+            request.node_id,
+            request.incarnation,
+            request.used_bytes,
+            request.capacity_bytes,
+            events,
+            self._namespaces(request.namespaces),
+        )
+        return directory_pb2.HeartbeatReply(resync=resync, acked_seq=acked)
+
+    @typed_handler
+    def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        result = self.state.lookup(unpack_hashes(request.hashes), request.client_node, int(request.lease_ms))
+        return directory_pb2.LookupReply(
+            hits=result.hits,
+            nodes=[node_to_msg(n) for n in result.nodes],
+            holder_masks=result.masks,
+            tiers=result.tiers,
+            lease_id=result.lease_id,
+        )
+
+    @typed_handler
+    def Place(self, request: directory_pb2.PlaceRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        nodes = self.state.place(request.blocks, request.block_bytes, request.client_node, request.replicas or 1)
+        return directory_pb2.PlaceReply(nodes=[node_to_msg(n) for n in nodes])
+
+    @typed_handler
+    def Release(self, request: directory_pb2.LeaseRelease, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        released = self.state.release(request.lease_ids)
+        return directory_pb2.ReleaseReply(released=released)
+
+    @typed_handler
+    def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        groups, deferred = self.state.remove(unpack_hashes(request.hashes), request.namespace)
+        removed = self.forward(groups, request.namespace, "Remove")
+        return directory_pb2.RemoveReply(removed=removed, deferred=deferred)
+
+    @typed_handler
+    def Pin(self, request: directory_pb2.PinRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        groups = self.state.holders_by_node(unpack_hashes(request.hashes))
+        changed = self.forward(
+            groups, request.namespace, "Pin", hard=request.hard, ttl_ms=request.ttl_ms, unpin=request.unpin
+        )
+        return directory_pb2.PinReply(changed=changed)
+
+    @typed_handler
+    def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> Any:
+        summary: dict[str, Any] = dict(self.state.summary())
+        summary["is_leader"] = self._is_leader()
+        summary["leader"] = self._leader()
+        if self._extra_stats is not None:
+            summary.update(self._extra_stats())
+        return directory_pb2.StatsReply(json=json.dumps(summary, sort_keys=True, default=str))
+
+    @typed_handler
+    def Leader(self, request: directory_pb2.LeaderRequest, context: grpc.ServicerContext) -> Any:
+        return directory_pb2.LeaderReply(leader=self._leader(), is_leader=self._is_leader())
+
+    @typed_handler
+    def Nodes(self, request: directory_pb2.NodesRequest, context: grpc.ServicerContext) -> Any:
+        self._lead()
+        return directory_pb2.NodesReply(nodes=[node_to_msg(n) for n in self.state.nodes()])
+
+    def flush_removes(self) -> None:
+        """Forward removes that waited for a directory lease to end."""
+        for namespace, groups in self.state.take_due_removes().items():
+            try:
+                self.forward(groups, namespace, "Remove")
+            except KVPoolError as err:
+                log.warning("directory: deferred remove failed: %s", err)

@@ -1,0 +1,105 @@
+"""What the data plane moves and the two sides it connects.
+
+A *transport* moves block bytes between nodes (never through gRPC). The serving side
+reads and writes a node's arena through the ``BlockStore`` protocol, which the daemon
+implements over its ``HostStore``: every read happens under a store read lease (so the
+slot cannot be evicted or reused while its bytes are on the wire) and every write is a
+two-phase put (so a half-received block is never visible).
+
+The reading side gets back how many *leading* items arrived and verified. A failed,
+timed-out or corrupt transfer is a miss (logged with the peer's address), never an
+exception: the engine recomputes what it did not get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """One block (or a byte range of it: one layer, one head range) to read."""
+
+    key: bytes  # 16-byte block hash
+    range_offset: int = 0  # bytes from the start of the block
+    range_length: int = 0  # 0 = to the end of the block
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    ok: int  # leading items copied into their destinations and verified
+    reason: str = ""  # why the rest were misses ("" when all arrived)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    stored: int
+    already_present: int
+    in_flight: int
+    checksum_failed: int
+    reason: str = ""  # non-empty when the write failed as a whole (nothing stored by it)
+
+
+@dataclass(frozen=True)
+class LeasedBlocks:
+    lease_id: int  # 0 when nothing was leased
+    locations: list[tuple[int, int, int]]  # (arena offset, block bytes, checksum) of the leading present keys
+
+
+@dataclass(frozen=True)
+class PutSlots:
+    put_id: int
+    slots: list[tuple[int, int]]  # (request index, arena offset) of each block to receive
+    already_present: int
+    in_flight: int
+
+
+class BlockStore(Protocol):
+    """The node side of the data plane (implemented by ``kvpool.daemon.cluster_node``)."""
+
+    def arena(self) -> np.ndarray: ...
+
+    def block_bytes(self, namespace: bytes) -> int:
+        """Block size of a registered namespace; raises UnknownNamespace otherwise."""
+        ...
+
+    def lease(self, namespace: bytes, keys: Sequence[bytes]) -> LeasedBlocks: ...
+
+    def release(self, lease_id: int) -> None: ...
+
+    def put_start(self, namespace: bytes, keys: Sequence[bytes]) -> PutSlots: ...
+
+    def put_commit(self, put_id: int, checksums: Sequence[int]) -> tuple[int, int]:
+        """(committed, checksum_failed)."""
+        ...
+
+    def put_abort(self, put_id: int) -> None: ...
+
+
+class Transport(Protocol):
+    """The reading / writing side: one object per process, connections cached per peer."""
+
+    name: str
+
+    def read(self, peer: str, namespace: bytes, items: Sequence[ReadItem], dst: Sequence[np.ndarray]) -> ReadResult:
+        """Read items from ``peer`` into ``dst`` (one writable uint8 view per item, of the
+        item's length). Returns how many leading items arrived and verified."""
+        ...
+
+    def write(self, peer: str, namespace: bytes, keys: Sequence[bytes], rows: np.ndarray) -> WriteResult:
+        """Store ``rows`` ([n, block_bytes] uint8) on ``peer`` under ``keys``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DataServer(Protocol):
+    address: str
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...

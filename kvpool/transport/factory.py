@@ -1,0 +1,47 @@
+"""Pick a data-plane implementation by name: "tcp" always works; "ucx" uses ucxx and
+falls back to tcp (with a warning naming why) when ucxx cannot be imported."""
+
+from __future__ import annotations
+
+import logging
+
+from kvpool.core.errors import InvalidArgument
+from kvpool.transport.base import BlockStore, DataServer, Transport
+from kvpool.transport.tcp import TcpDataServer, TcpTransport
+
+log = logging.getLogger("kvpool.transport")
+
+
+def ucx_available() -> str:
+    """'' when ucxx imports, else why not."""
+    try:
+        import ucxx._lib.libucxx  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing libucx at load time
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def make_data_server(kind: str, store: BlockStore, listen: str) -> DataServer:
+    if kind == "ucx":
+        why = ucx_available()
+        if not why:
+            from kvpool.transport.ucx import UcxDataServer
+
+            return UcxDataServer(store, listen)
+        log.warning("ucx data plane unavailable (%s): using tcp", why)
+    elif kind != "tcp":
+        raise InvalidArgument(f"unknown transport {kind!r}", hint="use tcp or ucx")
+    return TcpDataServer(store, listen)
+
+
+def make_transport(kind: str, timeout_s: float = 10.0) -> Transport:
+    if kind == "ucx":
+        why = ucx_available()
+        if not why:
+            from kvpool.transport.ucx import UcxTransport
+
+            return UcxTransport(timeout_s=timeout_s)
+        log.warning("ucx data plane unavailable (%s): using tcp", why)
+    elif kind != "tcp":
+        raise InvalidArgument(f"unknown transport {kind!r}", hint="use tcp or ucx")
+    return TcpTransport(timeout_s=timeout_s)

@@ -1,0 +1,421 @@
+"""The plain TCP-socket data plane: the fallback when ucxx is not installed, and the
+transport between hosts without UCX.
+
+Server: one accept thread and one thread per connection (bounded); a READ leases the
+leading present keys in the node's store, sends one header with every (length, checksum)
+and then the bytes straight out of the mapped arena (``sendall`` of a memoryview, no
+copy in Python), and releases the lease. Client: a small pool of persistent connections
+per peer; bytes are received straight into the caller's buffer (``recv_into``) and each
+item is checksummed right after it lands, while the kernel keeps receiving the next
+(pipelined). Any failure is a miss logged with the peer's address.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.core.checksum import checksum64
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, UnknownNamespace
+from kvpool.transport import wire
+from kvpool.transport.base import BlockStore, ReadItem, ReadResult, WriteResult
+
+log = logging.getLogger("kvpool.transport")
+
+SOCKET_BUFFER_BYTES = 4 << 20
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_TIMEOUT_S = 10.0
+MAX_IDLE_PER_PEER = 8
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgument(f"data address {address!r} is not HOST:PORT", hint="e.g. 127.0.0.1:7460")
+    return host, int(port)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if SOCKET_BUFFER_BYTES:  # 0 = leave the kernel's autotuning on
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+class TcpDataServer:
+    """Serves a node's blocks to peers over TCP. ``address`` is known after ``start``."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        listen: str,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = 300.0,
+    ) -> None:
+        self._store = store
+        self._listen = listen
+        self._max_connections = max_connections
+        self._idle_timeout_s = idle_timeout_s
+        self._sock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._accept_thread: threading.Thread | None = None
+        self.address = listen
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def start(self) -> None:
+        host, port = split_address(self._listen)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            from kvpool.core.errors import Unavailable
+
+            raise Unavailable(
+                f"data plane cannot listen on {self._listen}: {exc}",
+                hint="pick a free port with --data-listen 127.0.0.1:PORT",
+            ) from exc
+        sock.listen(128)
+        self._sock = sock
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvpool-data-accept", daemon=True)
+        self._accept_thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        with self._lock:
+            for conn in list(self._conns):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self._accept_thread is not None:
+            self._accept_thread.join(2.0)
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stopping.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= self._max_connections:
+                    log.warning("data plane: refusing %s, %d connections open", peer, len(self._conns))
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            _tune(conn)
+            conn.settimeout(self._idle_timeout_s)
+            threading.Thread(
+                target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True, name="kvpool-data-conn"
+            ).start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        state: dict[str, object] = {}  # per-connection state of subclasses (the UCX endpoint)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    head = wire.recv_exact(conn, wire.HEADER.size)
+                except (wire.PeerClosed, TimeoutError, OSError):
+                    return
+                op, count, namespace = wire.unpack_header(head)
+                if op == wire.OP_READ:
+                    self._serve_read(conn, count, namespace)
+                elif op == wire.OP_WRITE:
+                    if not self._serve_write(conn, count, namespace, peer):
+                        return
+                elif op == wire.OP_PING:
+                    conn.sendall(wire.pack_reply(wire.STATUS_OK, 0))
+                elif not self._serve_other(conn, op, count, namespace, state):
+                    conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, f"unknown op {op}"))
+                    return
+        except (OSError, wire.PeerClosed, InvalidArgument) as exc:
+            log.warning("data plane: connection from %s dropped: %s", peer, exc)
+        except Exception:  # a bug: log it, drop this connection, keep serving others
+            log.exception("data plane: internal error serving %s", peer)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            self._close_state(state)
+
+    def _serve_other(
+        self, conn: socket.socket, op: int, count: int, namespace: bytes, state: dict[str, object]
+    ) -> bool:
+        """Ops beyond READ / WRITE / PING (subclasses); False = unknown op."""
+        return False
+
+    def _close_state(self, state: dict[str, object]) -> None:
+        """Release a connection's subclass state."""
+
+    def _lease_for_read(
+        self, conn: socket.socket, count: int, namespace: bytes
+    ) -> tuple[int, list[memoryview], list[bytes]] | None:
+        """Parse a READ request and lease its blocks: (lease id, views, metas); None if refused."""
+        items = wire.unpack_read_items(wire.recv_exact(conn, count * wire.READ_ITEM.size), count)
+        try:
+            block_bytes = self._store.block_bytes(namespace)
+        except UnknownNamespace as err:
+            conn.sendall(wire.pack_reply(wire.STATUS_UNKNOWN_NAMESPACE, 0, err.message))
+            return None
+        for _, off, length in items:
+            if off + length > block_bytes or off >= block_bytes:
+                conn.sendall(
+                    wire.pack_reply(
+                        wire.STATUS_BAD_REQUEST,
+                        0,
+                        f"range [{off}, {off + length}) is outside a {block_bytes}-byte block",
+                    )
+                )
+                return None
+        grant = self._store.lease(namespace, [key for key, _, _ in items])
+        try:
+            arena = self._store.arena()
+            metas: list[bytes] = []
+            views: list[memoryview] = []
+            for (_, off, length), (offset, size, checksum) in zip(items, grant.locations):
+                if length == 0:
+                    length = size - off
+                chunk = arena[offset + off : offset + off + length]
+                whole = off == 0 and length == size
+                metas.append(wire.READ_META.pack(length, checksum if whole else checksum64(chunk)))
+                views.append(memoryview(chunk))  # type: ignore[arg-type]
+        except BaseException:
+            if grant.lease_id:
+                self._store.release(grant.lease_id)
+            raise
+        return grant.lease_id, views, metas
+
+    def _serve_read(self, conn: socket.socket, count: int, namespace: bytes) -> None:
+        leased = self._lease_for_read(conn, count, namespace)
+        if leased is None:
+            return
+        lease_id, views, metas = leased
+        try:
+            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas))
+            for view in views:
+                conn.sendall(view)
+                self.bytes_sent += len(view)
+        finally:
+            if lease_id:
+                self._store.release(lease_id)
+
+    def _serve_write(self, conn: socket.socket, count: int, namespace: bytes, peer: str) -> bool:
+        """Returns False when the connection must be closed (stream no longer in sync)."""
+        (block_bytes,) = wire.U64.unpack(wire.recv_exact(conn, wire.U64.size))
+        raw = wire.recv_exact(conn, count * wire.WRITE_ITEM.size)
+        items = [wire.WRITE_ITEM.unpack_from(raw, i * wire.WRITE_ITEM.size) for i in range(count)]
+        try:
+            expected = self._store.block_bytes(namespace)
+            if expected != block_bytes:
+                raise InvalidArgument(f"{block_bytes}-byte blocks sent; the namespace holds {expected}-byte blocks")
+            slots = self._store.put_start(namespace, [key for key, _ in items])
+        except UnknownNamespace as err:
+            conn.sendall(wire.pack_reply(wire.STATUS_UNKNOWN_NAMESPACE, 0, err.message))
+            return False
+        except CapacityExhausted as err:
+            conn.sendall(wire.pack_reply(wire.STATUS_FULL, 0, str(err)))
+            return False
+        except KVPoolError as err:
+            conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, str(err)))
+            return False
+        arena = self._store.arena()
+        by_index = dict(slots.slots)
+        scratch = np.empty(block_bytes, dtype=np.uint8) if len(by_index) < count else None
+        try:
+            for i in range(count):
+                offset = by_index.get(i)
+                target = arena[offset : offset + block_bytes] if offset is not None else scratch
+                assert target is not None
+                wire.recv_into_exact(conn, memoryview(target))  # type: ignore[arg-type]
+                self.bytes_received += block_bytes
+        except BaseException:
+            if slots.put_id:
+                self._store.put_abort(slots.put_id)
+            raise
+        committed, failed = (0, 0)
+        if slots.put_id:
+            committed, failed = self._store.put_commit(slots.put_id, [items[i][1] for i, _ in slots.slots])
+            if failed:
+                log.warning("data plane: %d blocks written by %s failed their checksum and were dropped", failed, peer)
+        conn.sendall(
+            wire.pack_reply(wire.STATUS_OK, 0)
+            + wire.WRITE_COUNTS.pack(committed, slots.already_present, slots.in_flight, failed)
+        )
+        return True
+
+
+class TcpTransport:
+    """Client side of the TCP data plane; thread-safe, connections pooled per peer."""
+
+    name = "tcp"
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self.bytes_received = 0
+
+    def _take(self, peer: str) -> socket.socket:
+        with self._lock:
+            pool = self._idle.get(peer)
+            if pool:
+                return pool.pop()
+        sock = socket.create_connection(split_address(peer), timeout=self.timeout_s)
+        _tune(sock)
+        return sock
+
+    def _give(self, peer: str, sock: socket.socket) -> None:
+        with self._lock:
+            pool = self._idle.setdefault(peer, [])
+            if len(pool) < MAX_IDLE_PER_PEER:
+                pool.append(sock)
+                return
+        self._discard(sock)
+
+    def drop_peer(self, peer: str) -> None:
+        with self._lock:
+            pool = self._idle.pop(peer, [])
+        for sock in pool:
+            self._discard(sock)
+
+    def read(self, peer: str, namespace: bytes, items: Sequence[ReadItem], dst: Sequence[np.ndarray]) -> ReadResult:
+        if len(items) != len(dst):
+            raise InvalidArgument(f"{len(items)} read items for {len(dst)} destinations")
+        done = 0
+        for start in range(0, len(items), wire.MAX_ITEMS):
+            chunk = items[start : start + wire.MAX_ITEMS]
+            result = self._read_chunk(peer, namespace, chunk, dst[start : start + wire.MAX_ITEMS])
+            done += result.ok
+            if result.ok < len(chunk):
+                return ReadResult(done, result.reason)
+        return ReadResult(done)
+
+    read_op = wire.OP_READ
+
+    def _read_chunk(
+        self, peer: str, namespace: bytes, items: Sequence[ReadItem], dst: Sequence[np.ndarray]
+    ) -> ReadResult:
+        sock: socket.socket | None = None
+        progress = [0]  # leading items verified so far (kept up to date for the failure path)
+        try:
+            sock = self._take(peer)
+            sock.settimeout(self.timeout_s)
+            request = wire.pack_header(self.read_op, len(items), namespace) + wire.pack_read_items(
+                [(it.key, it.range_offset, it.range_length) for it in items]
+            )
+            sock.sendall(request)
+            status, served, message = wire.recv_reply(sock)
+            if status != wire.STATUS_OK:
+                self._give(peer, sock)
+                sock = None
+                return ReadResult(0, f"peer {peer} refused the read: {message}")
+            metas_raw = wire.recv_exact(sock, served * wire.READ_META.size)
+            metas = [wire.READ_META.unpack_from(metas_raw, i * wire.READ_META.size) for i in range(served)]
+            for i, (length, _) in enumerate(metas):
+                if dst[i].nbytes != length:
+                    raise InvalidArgument(f"peer {peer} sends {length} bytes for item {i}; expected {dst[i].nbytes}")
+            bad = self._receive(sock, peer, metas, dst, progress)
+            self._give(peer, sock)
+            sock = None
+            ok = progress[0]
+            if bad >= 0:
+                log.warning("block %d from %s failed its checksum: treated as a miss", bad, peer)
+                return ReadResult(ok, f"block {bad} from {peer} failed its checksum")
+            if served < len(items):
+                return ReadResult(ok, f"peer {peer} holds only {served} of {len(items)} blocks")
+            return ReadResult(ok)
+        except (OSError, wire.PeerClosed, InvalidArgument) as exc:
+            why = str(exc) or type(exc).__name__
+            log.warning(
+                "read from %s failed after %d verified blocks (%s): the rest are misses", peer, progress[0], why
+            )
+            return ReadResult(progress[0], f"transfer from {peer} failed: {why}")
+        finally:
+            if sock is not None:
+                self._discard(sock)
+
+    def _receive(
+        self,
+        sock: socket.socket,
+        peer: str,
+        metas: list[tuple[int, int]],
+        dst: Sequence[np.ndarray],
+        progress: list[int],
+    ) -> int:
+        """Receive each item into its destination and verify it; returns the first bad index or -1."""
+        bad = -1
+        for i, (length, checksum) in enumerate(metas):
+            target = dst[i]
+            wire.recv_into_exact(sock, memoryview(target).cast("B"))  # type: ignore[arg-type]
+            if bad < 0:
+                if checksum64(target) != checksum:
+                    bad = i
+                else:
+                    progress[0] = i + 1
+            self.bytes_received += length
+        return bad
+
+    def _discard(self, sock: socket.socket) -> None:
+        """Close a connection that is not returned to the pool."""
+        sock.close()
+
+    def write(self, peer: str, namespace: bytes, keys: Sequence[bytes], rows: np.ndarray) -> WriteResult:
+        if rows.ndim != 2 or rows.dtype != np.uint8 or rows.shape[0] != len(keys):
+            raise InvalidArgument("rows must be a [n, block_bytes] uint8 array, one row per key")
+        totals = [0, 0, 0, 0]
+        for start in range(0, len(keys), wire.MAX_ITEMS):
+            result = self._write_chunk(
+                peer, namespace, keys[start : start + wire.MAX_ITEMS], rows[start : start + wire.MAX_ITEMS]
+            )
+            for j, v in enumerate((result.stored, result.already_present, result.in_flight, result.checksum_failed)):
+                totals[j] += v
+            if result.reason:
+                return WriteResult(totals[0], totals[1], totals[2], totals[3], reason=result.reason)
+        return WriteResult(totals[0], totals[1], totals[2], totals[3])
+
+    def _write_chunk(self, peer: str, namespace: bytes, keys: Sequence[bytes], rows: np.ndarray) -> WriteResult:
+        sock: socket.socket | None = None
+        try:
+            sock = self._take(peer)
+            sock.settimeout(self.timeout_s)
+            block_bytes = rows.shape[1]
+            items = b"".join(wire.WRITE_ITEM.pack(k, checksum64(rows[i])) for i, k in enumerate(keys))
+            sock.sendall(wire.pack_header(wire.OP_WRITE, len(keys), namespace) + wire.U64.pack(block_bytes) + items)
+            for i in range(len(keys)):
+                sock.sendall(memoryview(rows[i]))  # type: ignore[arg-type]
+            status, _, message = wire.recv_reply(sock)
+            if status != wire.STATUS_OK:
+                return WriteResult(0, 0, 0, 0, reason=f"peer {peer} refused the write: {message}")
+            counts = wire.WRITE_COUNTS.unpack(wire.recv_exact(sock, wire.WRITE_COUNTS.size))
+            self._give(peer, sock)
+            sock = None
+            return WriteResult(*counts)
+        except (OSError, wire.PeerClosed, InvalidArgument) as exc:
+            log.warning("write to %s failed (%s): nothing of this batch is known to be stored", peer, exc)
+            return WriteResult(0, 0, 0, 0, reason=f"transfer to {peer} failed: {exc or type(exc).__name__}")
+        finally:
+            if sock is not None:
+                self._discard(sock)
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._idle = self._idle, {}
+        for pool in pools.values():
+            for sock in pool:
+                self._discard(sock)

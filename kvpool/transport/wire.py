@@ -1,0 +1,110 @@
+"""The data plane's framing: fixed little-endian headers, then raw block bytes.
+
+    READ   request : Header(op=READ, count=n, namespace) + n x (key16, range_offset u64, range_length u64)
+           reply   : ReplyHeader(status, count=m, message_len) + message + m x (length u64, checksum u64)
+                     + the m byte ranges back to back
+    WRITE  request : Header(op=WRITE, count=n, namespace) + block_bytes u64 + n x (key16, checksum u64)
+                     + the n blocks back to back
+           reply   : ReplyHeader(status, count=0, message_len) + message + WriteCounts
+
+A full-block read carries the checksum the writer computed (verified at commit), so the
+check on arrival is end to end. A byte-range read carries a checksum of that range computed
+by the server from the leased bytes: it covers the wire. ``m`` < ``n`` when the node holds
+only a prefix of the keys; the rest are misses.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+
+from kvpool.core.errors import InvalidArgument
+
+MAGIC = b"KVPT"
+VERSION = 1
+OP_READ = 1
+OP_WRITE = 2
+OP_PING = 3
+OP_UCX_HELLO = 4  # payload: worker address (count = its length); reply: the server's worker address
+OP_READ_UCX = 5  # like READ, but the bytes travel as UCX tag messages, one per item
+
+STATUS_OK = 0
+STATUS_UNKNOWN_NAMESPACE = 1
+STATUS_BAD_REQUEST = 2
+STATUS_FULL = 3  # capacity exhausted
+STATUS_ERROR = 4
+
+HEADER = struct.Struct("<4sBBHI16s")  # magic, version, op, flags, count, namespace
+REPLY = struct.Struct("<4sBBHII")  # magic, version, status, flags, count, message length
+READ_ITEM = struct.Struct("<16sQQ")
+READ_META = struct.Struct("<QQ")  # length, checksum
+WRITE_ITEM = struct.Struct("<16sQ")  # key, checksum
+WRITE_COUNTS = struct.Struct("<IIII")  # stored, already_present, in_flight, checksum_failed
+U64 = struct.Struct("<Q")
+
+MAX_ITEMS = 65_536  # most items one request may carry (also the largest UCX worker address)
+MAX_MESSAGE = 4096
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection mid-frame."""
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket (no intermediate copy)."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise PeerClosed(f"peer closed after {got} of {total} bytes")
+        got += n
+
+
+def pack_header(op: int, count: int, namespace: bytes) -> bytes:
+    if len(namespace) != 16:
+        raise InvalidArgument(f"namespace digest must be 16 bytes, got {len(namespace)}")
+    if not 0 <= count <= MAX_ITEMS:
+        raise InvalidArgument(f"{count} items in one transfer; the limit is {MAX_ITEMS}", hint="split the batch")
+    return HEADER.pack(MAGIC, VERSION, op, 0, count, namespace)
+
+
+def unpack_header(data: bytes) -> tuple[int, int, bytes]:
+    magic, version, op, _flags, count, namespace = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise InvalidArgument(f"bad magic {magic!r}: not a kvpool data-plane peer")
+    if version != VERSION:
+        raise InvalidArgument(f"data-plane version {version} is not {VERSION}", hint="run the same kvpool version")
+    if count > MAX_ITEMS:
+        raise InvalidArgument(f"{count} items in one transfer; the limit is {MAX_ITEMS}")
+    return op, count, namespace
+
+
+def pack_reply(status: int, count: int, message: str = "") -> bytes:
+    text = message.encode("utf-8")[:MAX_MESSAGE]
+    return REPLY.pack(MAGIC, VERSION, status, 0, count, len(text)) + text
+
+
+def recv_reply(sock: socket.socket) -> tuple[int, int, str]:
+    magic, version, status, _flags, count, msg_len = REPLY.unpack(recv_exact(sock, REPLY.size))
+    if magic != MAGIC or version != VERSION:
+        raise InvalidArgument(f"bad reply header {magic!r} v{version}")
+    if msg_len > MAX_MESSAGE or count > MAX_ITEMS:
+        raise InvalidArgument("reply header out of bounds")
+    message = recv_exact(sock, msg_len).decode("utf-8", "replace") if msg_len else ""
+    return status, count, message
+
+
+def pack_read_items(items: Sequence[tuple[bytes, int, int]]) -> bytes:
+    return b"".join(READ_ITEM.pack(k, off, length) for k, off, length in items)
+
+
+def unpack_read_items(data: bytes, count: int) -> list[tuple[bytes, int, int]]:
+    return [READ_ITEM.unpack_from(data, i * READ_ITEM.size) for i in range(count)]

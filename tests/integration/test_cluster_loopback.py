@@ -1,0 +1,244 @@
+"""A real cluster on loopback: etcd + directory + 3 node daemons as processes.
+
+Each node gets its own host name (--host-name), so clients treat the others as remote
+and blocks cross the TCP data plane exactly as between machines.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from kvpool.client.cluster_client import ClusterClient
+from kvpool.core.spec import KVSpec
+from kvpool.daemon.cluster_events import decode_batch
+from kvpool.daemon.cluster_local import LocalCluster, etcd_binary, free_port
+from kvpool.proto import directory_pb2, directory_pb2_grpc
+from kvpool.transport.factory import ucx_available
+
+pytestmark = [
+    pytest.mark.etcd,
+    pytest.mark.skipif(etcd_binary() is None, reason="etcd binary not installed (apt-get install etcd-server)"),
+]
+
+SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
+
+
+def blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1 << 15, size=(n, *SPEC.block_shape)).astype(np.float16)
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    with LocalCluster(str(tmp_path)) as c:
+        c.start_etcd()
+        yield c
+
+
+def start_three(
+    c: LocalCluster, directories: list[str], transport: str = "tcp", extra_a: list[str] | None = None
+) -> list[str]:
+    return [
+        c.start_node(name, directories, transport=transport, extra=(extra_a or []) if name == "node-a" else []).address
+        for name in ("node-a", "node-b", "node-c")
+    ]
+
+
+def client(c: LocalCluster, directories: list[str], local: str, **kw: object) -> ClusterClient:
+    return ClusterClient.connect(SPEC, salt=b"t", directory=directories, local=local, timeout_s=3.0, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
+def test_put_through_a_read_from_c_across_the_data_plane(cluster: LocalCluster, transport: str) -> None:
+    if transport == "ucx" and ucx_available():
+        pytest.skip(f"ucxx unusable: {ucx_available()}")
+    zmq = pytest.importorskip("zmq")
+    events_port = free_port()
+    d = cluster.start_directory()
+    a, _, c_addr = start_three(
+        cluster, [d.address], transport, ["--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}"]
+    )
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(f"tcp://127.0.0.1:{events_port}")
+    time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher
+    with (
+        client(cluster, [d.address], a) as ca,
+        client(cluster, [d.address], c_addr, replicate_after=2, transport=transport) as cc,
+    ):
+        h = ca.hashes(np.arange(16 * 24))
+        data = blocks(24, 1)
+        assert ca.put(h, data).stored == 24
+        # node-a announced them in vLLM's wire format
+        seen: list[bytes] = []
+        while len(seen) < 24:
+            _topic, seq, payload = sub.recv_multipart()
+            assert int.from_bytes(seq, "big") >= 0
+            for event in decode_batch(payload)[1]:
+                if event[0] == "BlockStored":
+                    assert event[4] == SPEC.block_tokens and event[6] == "CPU"
+                    seen.extend(event[1])
+        assert seen == h
+        assert eventually(lambda: cc.lookup(h) == 24)
+        holders, _ = cc.locate(h)
+        assert {x.node_id for hs in holders for x in hs} == {"node-a"}  # local-first placement
+        out = np.zeros_like(data)
+        assert cc.get_into(h, out) == 24
+        np.testing.assert_array_equal(out, data)
+        assert cc.counters["remote_blocks"] == 24 and cc.counters["local_blocks"] == 0
+        # one layer range of every block: only those bytes cross the wire
+        layers = np.zeros((24, 2, *SPEC.block_shape[1:]), dtype=SPEC.numpy_dtype)
+        assert cc.get_layers_into(h, 1, 2, layers) == 24
+        np.testing.assert_array_equal(layers, data[:, 1:3])
+        # a longer prompt: the lookup stops at the first block nobody holds
+        longer = ca.hashes(np.arange(16 * 30))
+        assert cc.lookup(longer) == 24
+        # the second remote read makes the blocks hot: they are copied to node-c
+        assert cc.get_into(h, out) == 24
+        assert cc.counters["replicated_blocks"] == 24
+        assert eventually(lambda: {x.node_id for x in cc.locate(h)[0][0]} == {"node-a", "node-c"})
+        cc.counters["local_blocks"] = 0
+        assert cc.get_into(h, out) == 24 and cc.counters["local_blocks"] == 24
+        np.testing.assert_array_equal(out, data)
+        # layer reads of local blocks come through shared memory
+        one_layer = np.zeros((24, 1, *SPEC.block_shape[1:]), dtype=SPEC.numpy_dtype)
+        assert cc.get_layers_into(h, 3, 1, one_layer) == 24
+        np.testing.assert_array_equal(one_layer[:, 0], data[:, 3])
+        # removes through the directory reach every holder
+        assert cc.remove(h[:4]) == 8
+        assert eventually(lambda: cc.lookup(h) == 0)
+    sub.close(0)
+
+
+def test_sigkill_node_lookups_stop_offering_it_and_it_rejoins(cluster: LocalCluster) -> None:
+    d = cluster.start_directory(node_ttl_ms=30_000)  # only etcd's lease can notice the death quickly
+    a, _b, c_addr = start_three(cluster, [d.address])
+    with client(cluster, [d.address], a) as ca, client(cluster, [d.address], c_addr) as cc:
+        h = ca.hashes(np.arange(16 * 64))
+        data = blocks(64, 2)
+        assert ca.put(h, data).stored == 64
+        assert eventually(lambda: cc.lookup(h) == 64)
+        # a reader keeps reading while node-a is killed: every read returns a verified prefix
+        # (no exception, no wrong byte), the ones in flight at the kill become partial or misses
+        results: list[int] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            buf = np.zeros_like(data)
+            while not stop.is_set():
+                try:
+                    got = cc.get_into(h, buf)
+                    np.testing.assert_array_equal(buf[:got], data[:got])
+                    results.append(got)
+                except BaseException as exc:  # recorded: the assertion below reports it
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        assert eventually(lambda: len(results) >= 2)
+        next(p for p in cluster.procs if p.name == "node-a").kill()
+        assert eventually(lambda: len(results) >= 3 and results[-1] == 0)
+        stop.set()
+        thread.join(10)
+        assert not errors, errors
+        assert results[0] == 64 and results[-1] == 0
+        h, data = h[:8], data[:8]
+        out = np.zeros_like(data)
+        # etcd drops the node's liveness key after its lease TTL (2 s); the directory then stops
+        # offering it (its heartbeat TTL here is 30 s, so only etcd can have noticed)
+        assert eventually(lambda: cc.lookup(h) == 0, timeout_s=10)
+        assert cc.get_into(h, out) == 0
+        # the node rejoins cleanly under the same id (empty: its arena died with it)
+        cluster.start_node("node-a", [d.address])
+        assert eventually(
+            lambda: "node-a" in {n.node_id for n in cc.link.call("Nodes", directory_pb2.NodesRequest()).nodes}
+        )
+        assert cc.put_on("node-a", h, data).stored == 8
+        assert eventually(lambda: cc.lookup(h) == 8)
+        assert cc.get_into(h, out) == 8
+        np.testing.assert_array_equal(out, data)
+
+
+def test_directory_leader_sigkill_standby_takes_over(cluster: LocalCluster) -> None:
+    d1 = cluster.start_directory("dir-1")
+    d2 = cluster.start_directory("dir-2", wait_leader=False)
+    with grpc.insecure_channel(d2.address) as ch:
+        reply = directory_pb2_grpc.DirectoryStub(ch).Leader(directory_pb2.LeaderRequest(), timeout=2)
+    assert not reply.is_leader and reply.leader == d1.address
+    nodes = [cluster.start_node(n, [], etcd=True) for n in ("node-a", "node-b", "node-c")]  # find it via etcd
+    # a client that only knows the standby is redirected to the leader
+    with client(cluster, [d2.address], nodes[0].address) as ca:
+        h = ca.hashes(np.arange(16 * 6))
+        assert ca.put(h, blocks(6, 3)).stored == 6
+        assert eventually(lambda: ca.lookup(h) == 6)
+        assert ca.link.leader == d1.address
+        d1.kill()
+        # the standby wins once the leader's etcd lease (1 s) expires; nodes re-register with it
+        assert eventually(lambda: _lookup_or_zero(ca, h) == 6, timeout_s=15)
+        assert ca.link.leader == d2.address
+        stats = ca.stats()
+        assert stats["is_leader"] and stats["leader"] == d2.address
+
+
+def _lookup_or_zero(c: ClusterClient, h: list[bytes]) -> int:
+    try:
+        return c.lookup(h)
+    except Exception:
+        return 0
+
+
+def test_etcd_stopped_cluster_keeps_serving_and_says_what_it_cannot_do(cluster: LocalCluster) -> None:
+    d = cluster.start_directory()
+    a, _, c_addr = start_three(cluster, [d.address])
+    with client(cluster, [d.address], a) as ca, client(cluster, [d.address], c_addr) as cc:
+        h = ca.hashes(np.arange(16 * 5))
+        data = blocks(5, 4)
+        ca.put(h, data)
+        assert eventually(lambda: cc.lookup(h) == 5)
+        next(p for p in cluster.procs if p.name == "etcd").kill()
+        assert eventually(lambda: "unreachable" in json.dumps(cc.stats().get("etcd", "")), timeout_s=10)
+        out = np.zeros_like(data)
+        assert cc.get_into(h, out) == 5
+        np.testing.assert_array_equal(out, data)
+        h2 = ca.hashes(np.arange(1000, 1000 + 16 * 3))
+        assert ca.put(h2, blocks(3, 5)).stored == 3  # writes still land; events still reach the directory
+        assert eventually(lambda: cc.lookup(h2) == 3)
+
+
+def test_directory_restart_with_rocksdb_answers_from_its_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with LocalCluster(str(tmp_path)) as c:
+        data_dir = str(tmp_path / "dirdb")
+        d = c.start_directory(data_dir=data_dir, etcd=False)
+        a = c.start_node("node-a", [d.address], etcd=False)
+        with client(c, [d.address], a.address) as ca:
+            h = ca.hashes(np.arange(16 * 4))
+            ca.put(h, blocks(4, 6))
+            assert eventually(lambda: ca.lookup(h) == 4)
+            time.sleep(1.2)  # one flush interval
+            port = d.address.rsplit(":", 1)[1]
+            d.kill()
+            a.kill()  # the node is gone too: only RocksDB can answer now
+            d2 = c.start_directory("directory-2", data_dir=data_dir, etcd=False, port=int(port), node_ttl_ms=60_000)
+            with grpc.insecure_channel(d2.address) as ch:
+                stats = json.loads(
+                    directory_pb2_grpc.DirectoryStub(ch).Stats(directory_pb2.StatsRequest(), timeout=2).json
+                )
+            assert stats["epoch"] == 2 and stats["blocks"] == 4

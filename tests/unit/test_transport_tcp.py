@@ -1,0 +1,250 @@
+"""The TCP data plane against a real PoolNode arena: full and byte-range reads, writes,
+checksums verified on arrival, and failures that become misses naming the peer."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.core.clock import MonotonicClock
+from kvpool.core.config import DaemonConfig, StoreConfig
+from kvpool.core.hashing import HASH_SCHEME, block_hashes
+from kvpool.core.spec import KVSpec, Namespace
+from kvpool.daemon.cluster_node import NodeBlockStore
+from kvpool.daemon.node import PoolNode
+from kvpool.transport.base import ReadItem
+from kvpool.transport.tcp import TcpDataServer, TcpTransport
+
+SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8)
+NS = Namespace(SPEC, b"tenant")
+NS_DIGEST = NS.digest()
+BB = SPEC.block_bytes
+
+
+def blocks(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 255, size=(n, BB), dtype=np.uint8)
+
+
+@pytest.fixture
+def node(tmp_path) -> Iterator[PoolNode]:  # type: ignore[no-untyped-def]
+    config = DaemonConfig(arena_dir=str(tmp_path), store=StoreConfig(capacity_bytes=4 << 20, slab_bytes=64 << 10))
+    pool_node = PoolNode(config, MonotonicClock())
+    pool_node.register(HASH_SCHEME, SPEC, NS_DIGEST, SPEC.digest())
+    yield pool_node
+    pool_node.close()
+
+
+@pytest.fixture
+def server(node: PoolNode) -> Iterator[TcpDataServer]:
+    srv = TcpDataServer(NodeBlockStore(node), "127.0.0.1:0")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def transport() -> Iterator[TcpTransport]:
+    t = TcpTransport(timeout_s=2.0)
+    yield t
+    t.close()
+
+
+def keys(n: int, start: int = 0) -> list[bytes]:
+    return block_hashes(NS, np.arange(start * 8, (start + n) * 8))
+
+
+def test_write_then_read_whole_blocks(server: TcpDataServer, transport: TcpTransport, node: PoolNode) -> None:
+    data = blocks(6, 1)
+    ks = keys(6)
+    result = transport.write(server.address, NS_DIGEST, ks, data)
+    assert (result.stored, result.already_present, result.reason) == (6, 0, "")
+    again = transport.write(server.address, NS_DIGEST, ks, data)
+    assert (again.stored, again.already_present) == (0, 6)
+    out = np.zeros_like(data)
+    got = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
+    assert got.ok == 6 and got.reason == ""
+    np.testing.assert_array_equal(out, data)
+    deadline = time.monotonic() + 5  # the server releases its read lease after its last send
+    while node.store.summary()["leases_active"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.store.summary()["leases_active"] == 0
+
+
+def test_read_stops_at_first_block_the_node_lacks(server: TcpDataServer, transport: TcpTransport) -> None:
+    ks = keys(5)
+    transport.write(server.address, NS_DIGEST, ks[:3], blocks(3, 2))
+    out = np.zeros((5, BB), dtype=np.uint8)
+    got = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
+    assert got.ok == 3
+    assert "3 of 5" in got.reason
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.integers(0, 3), count=st.integers(1, 4), block=st.integers(0, 3))
+def test_layer_range_reads_match_the_source(
+    server: TcpDataServer, transport: TcpTransport, first: int, count: int, block: int
+) -> None:
+    count = min(count, SPEC.num_layers - first)
+    data = blocks(4, 3)
+    ks = keys(4, 100)
+    transport.write(server.address, NS_DIGEST, ks, data)
+    offset, length = SPEC.layer_range_bytes(first, count)
+    out = np.zeros(length, dtype=np.uint8)
+    got = transport.read(server.address, NS_DIGEST, [ReadItem(ks[block], offset, length)], [out])
+    assert got.ok == 1
+    np.testing.assert_array_equal(out, data[block, offset : offset + length])
+
+
+def test_corrupt_block_is_a_miss_logged_with_peer(
+    server: TcpDataServer, transport: TcpTransport, node: PoolNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    ks = keys(4, 200)
+    transport.write(server.address, NS_DIGEST, ks, blocks(4, 4))
+    entry = node.store.entry(ks[2])
+    assert entry is not None
+    node.arena.view[entry.offset + 7] ^= 0xFF  # bit rot after commit
+    out = np.zeros((4, BB), dtype=np.uint8)
+    with caplog.at_level(logging.WARNING, logger="kvpool.transport"):
+        got = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
+    assert got.ok == 2
+    assert server.address in caplog.text and "checksum" in caplog.text
+    # the connection stayed in sync: the next read works
+    again = transport.read(server.address, NS_DIGEST, [ReadItem(ks[0])], [out[0]])
+    assert again.ok == 1
+
+
+def test_write_with_bad_checksum_is_not_stored(server: TcpDataServer, node: PoolNode) -> None:
+    from kvpool.transport import wire
+
+    ks = keys(1, 300)
+    data = blocks(1, 5)
+    with socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(
+            wire.pack_header(wire.OP_WRITE, 1, NS_DIGEST) + wire.U64.pack(BB) + wire.WRITE_ITEM.pack(ks[0], 12345)
+        )
+        sock.sendall(data[0].tobytes())
+        status, _, _ = wire.recv_reply(sock)
+        counts = wire.WRITE_COUNTS.unpack(wire.recv_exact(sock, wire.WRITE_COUNTS.size))
+    assert status == wire.STATUS_OK and counts == (0, 0, 0, 1)
+    assert node.store.lookup(ks) == 0
+
+
+def test_unknown_namespace_is_refused(server: TcpDataServer, transport: TcpTransport) -> None:
+    other = Namespace(SPEC, b"other-tenant").digest()
+    out = np.zeros((1, BB), dtype=np.uint8)
+    got = transport.read(server.address, other, [ReadItem(keys(1)[0])], list(out))
+    assert got.ok == 0 and "not registered" in got.reason
+
+
+def test_blocks_of_another_namespace_are_not_served(
+    server: TcpDataServer, transport: TcpTransport, node: PoolNode
+) -> None:
+    """Knowing a hash is not enough: the reader's namespace must be the block's."""
+    other = Namespace(SPEC, b"other-tenant")
+    node.register(HASH_SCHEME, SPEC, other.digest(), SPEC.digest())
+    ks = keys(2, 500)
+    transport.write(server.address, NS_DIGEST, ks, blocks(2, 7))
+    out = np.zeros((2, BB), dtype=np.uint8)
+    assert transport.read(server.address, other.digest(), [ReadItem(k) for k in ks], list(out)).ok == 0
+    assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out)).ok == 2
+
+
+def test_unreachable_peer_is_a_miss_not_an_exception(transport: TcpTransport) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    out = np.zeros((2, BB), dtype=np.uint8)
+    got = transport.read(f"127.0.0.1:{port}", NS_DIGEST, [ReadItem(k) for k in keys(2)], list(out))
+    assert got.ok == 0 and f"127.0.0.1:{port}" in got.reason
+    wrote = transport.write(f"127.0.0.1:{port}", NS_DIGEST, keys(2), out)
+    assert wrote.stored == 0 and f"127.0.0.1:{port}" in wrote.reason
+
+
+def test_silent_peer_times_out_as_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    accepted: list[socket.socket] = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    thread.start()
+    transport = TcpTransport(timeout_s=0.3)
+    out = np.zeros((1, BB), dtype=np.uint8)
+    with caplog.at_level(logging.WARNING, logger="kvpool.transport"):
+        got = transport.read(address, NS_DIGEST, [ReadItem(keys(1)[0])], list(out))
+    assert got.ok == 0 and address in caplog.text
+    transport.close()
+    for conn in accepted:
+        conn.close()
+    listener.close()
+
+
+def test_server_killed_mid_stream_leaves_only_verified_blocks(node: PoolNode) -> None:
+    """A peer that dies after sending part of a batch: only fully arrived, verified blocks count."""
+    from kvpool.transport import wire
+
+    ks = keys(3, 400)
+    data = blocks(3, 6)
+    from kvpool.core.checksum import checksum64
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def half_server() -> None:
+        conn, _ = listener.accept()
+        head = wire.recv_exact(conn, wire.HEADER.size)
+        _, count, _ = wire.unpack_header(head)
+        wire.recv_exact(conn, count * wire.READ_ITEM.size)
+        metas = b"".join(wire.READ_META.pack(BB, checksum64(data[i])) for i in range(3))
+        conn.sendall(wire.pack_reply(wire.STATUS_OK, 3) + metas + data[0].tobytes() + data[1].tobytes()[: BB // 2])
+        conn.close()
+
+    thread = threading.Thread(target=half_server, daemon=True)
+    thread.start()
+    transport = TcpTransport(timeout_s=2.0)
+    out = np.zeros((3, BB), dtype=np.uint8)
+    got = transport.read(address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
+    thread.join(2)
+    listener.close()
+    transport.close()
+    assert got.ok == 1
+    np.testing.assert_array_equal(out[0], data[0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    items=st.lists(
+        st.tuples(st.binary(min_size=16, max_size=16), st.integers(0, 2**63), st.integers(0, 2**63)), max_size=20
+    ),
+    op=st.sampled_from([1, 2, 5]),
+)
+def test_wire_frames_round_trip(items: list[tuple[bytes, int, int]], op: int) -> None:
+    from kvpool.transport import wire
+
+    head = wire.pack_header(op, len(items), NS_DIGEST)
+    assert wire.unpack_header(head) == (op, len(items), NS_DIGEST)
+    assert wire.unpack_read_items(wire.pack_read_items(items), len(items)) == items
+
+
+def test_wire_rejects_foreign_or_newer_peers() -> None:
+    from kvpool.core.errors import InvalidArgument
+    from kvpool.transport import wire
+
+    good = wire.pack_header(wire.OP_READ, 1, NS_DIGEST)
+    with pytest.raises(InvalidArgument, match="magic"):
+        wire.unpack_header(b"HTTP" + good[4:])
+    with pytest.raises(InvalidArgument, match="version"):
+        wire.unpack_header(good[:4] + bytes([wire.VERSION + 1]) + good[5:])
+    with pytest.raises(InvalidArgument, match="split the batch"):
+        wire.pack_header(wire.OP_READ, wire.MAX_ITEMS + 1, NS_DIGEST)

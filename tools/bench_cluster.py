@@ -1,0 +1,389 @@
+"""Cluster benchmark: node-to-node get throughput beside Mooncake Store and Redis, and
+whole-prompt directory lookup latency, all measured in the same run on this machine.
+
+    python tools/bench_cluster.py                    # re-executes itself inside `unshare -n`
+    python tools/bench_cluster.py --no-netns --skip-mooncake
+
+What is measured (median over --iters batches, after --warmup batches):
+- kvpool: node A (a `kvpool serve` process) holds the blocks; this process is a
+  ClusterClient attached to node B on another "host" (--host-name), so every block
+  crosses the data plane from A's arena into our buffer, checksummed on arrival.
+  "cluster get" = directory lookup + transfer + verify; "transport" = the data plane
+  alone. Both for the tcp and the ucx data plane.
+- Mooncake Store: a writer process puts the blocks into its own segment; this process
+  reads them with `batch_get_into` and with a loop of `get_into` (protocol tcp) into a
+  registered buffer: the two-process get.
+- Redis: `redis-server` on 127.0.0.1; MGET (batch) and GET (loop), copied into the buffer.
+- Directory lookup: 512 blocks spread over 3 nodes, one Lookup call for the whole prompt.
+
+Mooncake's master and transfer engine listen on every interface, so by default the
+script runs inside a private network namespace (`unshare -n`, loopback only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from kvpool.client.cluster_client import ClusterClient  # noqa: E402
+from kvpool.core.spec import KVSpec  # noqa: E402
+from kvpool.daemon.cluster_local import LocalCluster, free_port, wait_until  # noqa: E402
+from kvpool.transport.base import ReadItem  # noqa: E402
+from kvpool.transport.factory import make_transport, ucx_available  # noqa: E402
+
+MiB = 1 << 20
+
+
+def spec_for(block_mib: int) -> KVSpec:
+    # 32 layers x 8 kv heads x 128 dims x bf16 = 128 KiB per token
+    return KVSpec(
+        model="bench", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=8 * block_mib
+    )
+
+
+Batch = Callable[[], None]  # moves one batch into the reader's buffer; asserts it all arrived
+
+
+def interleaved(batches: dict[str, Batch], iters: int, warmup: int) -> dict[str, list[float]]:
+    """Time every system's batch round-robin, so a load spike on this shared machine hits
+    all of them rather than whichever happened to run at that moment."""
+    for _ in range(warmup):
+        for fn in batches.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in batches}
+    for _ in range(iters):
+        for name, fn in batches.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+# -- kvpool ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def kvpool_batches(
+    directory: str, a_addr: str, b_addr: str, block_mib: int, blocks: int, transports: list[str]
+) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
+    """Blocks written to node A; readers attached to node B (another host name)."""
+    spec = spec_for(block_mib)
+    data = np.random.default_rng(block_mib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
+    with ClusterClient.connect(spec, directory=[directory], local=a_addr) as writer:
+        hashes = writer.hashes(np.arange(blocks * spec.block_tokens) + block_mib * 10_000_000)
+        writer.put(hashes, data)
+        wait_until(lambda: writer.lookup(hashes) == blocks, 10, "blocks visible in the directory")
+        holder = writer.locate(hashes[:1])[0][0][0]
+        ns = writer.namespace.digest()
+    out = np.empty_like(data)
+    rows = out.reshape(-1).view(np.uint8).reshape(blocks, spec.block_bytes)
+    items = [ReadItem(h) for h in hashes]
+    batches: dict[str, Batch] = {}
+    with contextlib.ExitStack() as stack:
+        readers: list[ClusterClient] = []
+        for kind in transports:
+            reader = stack.enter_context(
+                ClusterClient.connect(spec, directory=[directory], local=b_addr, transport=kind)
+            )
+            readers.append(reader)
+            transport = make_transport(kind)
+            stack.callback(transport.close)
+
+            def cluster_get(reader: ClusterClient = reader) -> None:
+                got = reader.get_into(hashes, out)
+                assert got == blocks, f"cluster get returned {got} of {blocks}"
+
+            def raw_read(transport: Any = transport) -> None:
+                got = transport.read(holder.data_address, ns, items, list(rows))
+                assert got.ok == blocks, got.reason
+
+            batches[f"kvpool {kind} cluster get"] = cluster_get
+            batches[f"kvpool {kind} transport"] = raw_read
+
+        def verify() -> None:
+            assert np.array_equal(out, data)
+            for reader in readers:  # every block crossed the data plane, none came from node B
+                assert reader.counters["remote_blocks"] > 0 and reader.counters["local_blocks"] == 0
+
+        yield batches, verify
+
+
+# -- Mooncake ----------------------------------------------------------------------------
+MOONCAKE_READY = "mooncake-writer-ready"
+
+
+def mooncake_store(segment_bytes: int, buffer_bytes: int) -> Any:
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # read by Mooncake's transfer engine at setup
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        "127.0.0.1", "http://127.0.0.1:8080/metadata", segment_bytes, buffer_bytes, "tcp", "", "127.0.0.1:50051"
+    )
+    if rc != 0:
+        raise RuntimeError(f"Mooncake setup failed: {rc}")
+    return store
+
+
+def mooncake_writer(block_bytes: int, blocks: int, prefix: str, ready_path: str) -> None:
+    """Runs in its own process: put the blocks into this process's segment, then wait."""
+    store = mooncake_store(blocks * block_bytes + 256 * MiB, 64 * MiB)
+    buf = np.random.default_rng(1).integers(0, 255, size=blocks * block_bytes, dtype=np.uint8)
+    store.register_buffer(buf.ctypes.data, buf.nbytes)
+    for i in range(blocks):
+        rc = store.put_from(f"{prefix}{i}", buf.ctypes.data + i * block_bytes, block_bytes)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake put_from failed: {rc}")
+    with open(ready_path, "w") as fh:
+        fh.write("1")
+    time.sleep(3600)
+
+
+@contextlib.contextmanager
+def mooncake_batches(
+    block_mib: int, blocks: int, workdir: str
+) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
+    """A writer process puts the blocks into its own segment; this process reads them."""
+    block_bytes = block_mib * MiB
+    prefix = f"b{block_mib}-"
+    ready = os.path.join(workdir, f"{MOONCAKE_READY}-{block_mib}")
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    master = start_mooncake_master(workdir, block_mib)  # fresh per run: no segment of an earlier writer
+    log_path = os.path.join(workdir, f"mooncake-writer-{block_mib}.log")
+    with open(log_path, "wb") as log:
+        writer = subprocess.Popen(
+            [sys.executable, __file__, "--mooncake-writer", str(block_mib), str(blocks), prefix, ready],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    store = None
+    try:
+        try:
+            wait_until(lambda: os.path.exists(ready), 60, "Mooncake writer", writer)
+        except Exception:
+            with open(log_path, "rb") as fh:
+                print(fh.read()[-3000:].decode("utf-8", "replace"), file=sys.stderr)
+            raise
+        store = mooncake_store(0, blocks * block_bytes + 64 * MiB)
+        buf = np.zeros(blocks * block_bytes, dtype=np.uint8)
+        store.register_buffer(buf.ctypes.data, buf.nbytes)
+        keys = [f"{prefix}{i}" for i in range(blocks)]
+        ptrs = [buf.ctypes.data + i * block_bytes for i in range(blocks)]
+        sizes = [block_bytes] * blocks
+
+        def batch() -> None:
+            rcs = store.batch_get_into(keys, ptrs, sizes)
+            assert all(rc == block_bytes for rc in rcs), rcs[:4]
+
+        def one_by_one() -> None:
+            for key, ptr in zip(keys, ptrs):
+                rc = store.get_into(key, ptr, block_bytes)
+                assert rc == block_bytes, rc
+
+        expected = np.random.default_rng(1).integers(0, 255, size=blocks * block_bytes, dtype=np.uint8)
+
+        def verify() -> None:
+            assert np.array_equal(buf, expected), "Mooncake returned other bytes than the writer put"
+
+        yield {"mooncake batch_get_into": batch, "mooncake get_into": one_by_one}, verify
+        store.unregister_buffer(buf.ctypes.data)
+    finally:
+        if store is not None:
+            store.close()
+        writer.kill()
+        writer.wait()
+        master.kill()
+        master.wait()
+
+
+def start_mooncake_master(workdir: str, tag: int) -> subprocess.Popen[bytes]:
+    with open(os.path.join(workdir, f"mooncake-master-{tag}.log"), "wb") as log:
+        master = subprocess.Popen(
+            [
+                os.path.join(os.path.dirname(sys.executable), "mooncake_master"),
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    time.sleep(1.5)
+    return master
+
+
+# -- Redis -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def redis_batches(block_mib: int, blocks: int, workdir: str) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
+    import redis
+
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--proto-max-bulk-len",
+            "1gb",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port)
+        wait_until(lambda: bool(client.ping()), 20, "redis-server", server)
+        block_bytes = block_mib * MiB
+        data = np.random.default_rng(2).integers(0, 255, size=(blocks, block_bytes), dtype=np.uint8)
+        keys = [f"b{block_mib}-{i}" for i in range(blocks)]
+        for key, row in zip(keys, data):
+            client.set(key, row.tobytes())
+        out = np.empty_like(data)
+
+        def mget() -> None:
+            for i, value in enumerate(client.mget(keys)):
+                out[i] = np.frombuffer(value, dtype=np.uint8)  # type: ignore[arg-type]
+
+        def get() -> None:
+            for i, key in enumerate(keys):
+                out[i] = np.frombuffer(client.get(key), dtype=np.uint8)  # type: ignore[arg-type]
+
+        def verify() -> None:
+            assert np.array_equal(out, data)
+
+        yield {"redis MGET": mget, "redis GET": get}, verify
+        client.close()
+    finally:
+        server.kill()
+        server.wait()
+
+
+# -- directory lookup --------------------------------------------------------------------
+def bench_lookup(cluster: LocalCluster, directory: str, node_addrs: list[str], samples: int) -> dict[str, float]:
+    spec = KVSpec(model="bench-lookup", num_layers=2, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16)
+    blocks = 512
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 1 << 15, size=(blocks, *spec.block_shape)).astype(np.float16)
+    with ClusterClient.connect(spec, directory=[directory], local=node_addrs[0]) as c:
+        hashes = c.hashes(np.arange(blocks * spec.block_tokens))
+        thirds = [(0, 171), (171, 342), (342, 512)]
+        for (lo, hi), name in zip(thirds, ["node-a", "node-b", "node-c"]):
+            c.put_on(name, hashes[lo:hi], data[lo:hi])
+        wait_until(lambda: c.lookup(hashes) == blocks, 10, "512 blocks visible")
+        holders = {h.node_id for hs in c.locate(hashes)[0] for h in hs}
+        assert holders == {"node-a", "node-b", "node-c"}, holders
+        times = interleaved({"lookup": lambda: c.locate(hashes) and None}, samples, 20)["lookup"]
+    times_ms = sorted(t * 1000 for t in times)
+    return {
+        "lookup 512 blocks median ms": statistics.median(times_ms),
+        "lookup 512 blocks p99 ms": times_ms[int(0.99 * (len(times_ms) - 1))],
+    }
+
+
+# -- driver ------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = tempfile.mkdtemp(prefix="kvpool-bench-cluster-")
+    report: dict[str, Any] = {"blocks_per_batch": args.blocks, "iters": args.iters, "results": {}}
+    transports = ["tcp"] + (["ucx"] if not ucx_available() and not args.no_ucx else [])
+    try:
+        with LocalCluster(workdir) as cluster:
+            directory = cluster.start_directory(etcd=False).address
+            capacity = f"{max(args.blocks * max(args.block_mib) * 2 + 64, 256)}MiB"
+            a = cluster.start_node(
+                "node-a", [directory], etcd=False, capacity=capacity, transport="ucx" if "ucx" in transports else "tcp"
+            )
+            b = cluster.start_node("node-b", [directory], etcd=False, capacity="256MiB")
+            c = cluster.start_node("node-c", [directory], etcd=False, capacity="256MiB")
+            for block_mib in args.block_mib:
+                with contextlib.ExitStack() as stack:
+                    batches: dict[str, Batch] = {}
+                    checks: list[Callable[[], None]] = []
+                    setups = [kvpool_batches(directory, a.address, b.address, block_mib, args.blocks, transports)]
+                    if not args.skip_mooncake:
+                        setups.append(mooncake_batches(block_mib, args.blocks, workdir))
+                    if not args.skip_redis and shutil.which("redis-server"):
+                        setups.append(redis_batches(block_mib, args.blocks, workdir))
+                    for setup in setups:
+                        fns, check = stack.enter_context(setup)
+                        batches.update(fns)
+                        checks.append(check)
+                    times = interleaved(batches, args.iters, args.warmup)
+                    for check in checks:
+                        check()
+                nbytes = args.blocks * block_mib * MiB
+                row = {name: gbps(nbytes, t) for name, t in times.items()}
+                report["results"][f"{block_mib} MiB blocks"] = row
+                print_row(block_mib, row)
+            report["lookup"] = bench_lookup(cluster, directory, [a.address, b.address, c.address], args.lookups)
+            print(json.dumps(report["lookup"]))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report
+
+
+def print_row(block_mib: int, row: dict[str, float]) -> None:
+    print(f"\n{block_mib} MiB blocks, GB/s (median)")
+    for name, value in row.items():
+        print(f"  {name:32s} {value:7.2f}")
+    for mine in [k for k in row if k.startswith("kvpool") and k.endswith("cluster get")]:
+        for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
+            if base in row:
+                print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-mib", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    parser.add_argument("--blocks", type=int, default=32, help="blocks per batch")
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--lookups", type=int, default=300)
+    parser.add_argument("--skip-mooncake", action="store_true")
+    parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--no-ucx", action="store_true")
+    parser.add_argument("--no-netns", action="store_true", help="do not re-execute inside `unshare -n`")
+    parser.add_argument("--json", default="", help="also write the report here")
+    parser.add_argument("--mooncake-writer", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.mooncake_writer:
+        block_mib, blocks, prefix, ready = args.mooncake_writer
+        mooncake_writer(int(block_mib) * MiB, int(blocks), prefix, ready)
+        return 0
+    if not args.no_netns and os.environ.get("KVPOOL_BENCH_NETNS") != "1":
+        inner = " ".join([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
+        env = {**os.environ, "KVPOOL_BENCH_NETNS": "1"}
+        return subprocess.call(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"], env=env)
+    report = run(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
