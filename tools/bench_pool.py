@@ -39,8 +39,20 @@ def free_port() -> int:
 def start_daemon(capacity: str) -> tuple[subprocess.Popen[bytes], str]:
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--capacity-bytes", capacity,
-         "--slab-bytes", "64MiB", "--log-level", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "kvpool.cli.main",
+            "serve",
+            "--listen",
+            address,
+            "--capacity-bytes",
+            capacity,
+            "--slab-bytes",
+            "64MiB",
+            "--log-level",
+            "WARNING",
+        ],
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
@@ -69,45 +81,50 @@ def spec_for(block_bytes: int) -> KVSpec:
     return KVSpec(model="bench", num_layers=8, num_kv_heads=8, head_dim=64, dtype="float16", block_tokens=tokens)
 
 
+def bench_one_size(address: str, block_bytes: int, total_bytes: int, repeats: int) -> dict[str, float]:
+    spec = spec_for(block_bytes)
+    n = total_bytes // block_bytes
+    rng = np.random.default_rng(block_bytes)
+    src = rng.integers(0, 1 << 16, size=(n, *spec.block_shape), dtype=np.uint16).view(np.float16)
+    dst = np.empty_like(src)
+    dst.fill(0)  # fault the pages in before timing
+    flat_src = src.reshape(-1).view(np.uint8)
+    flat_dst = dst.reshape(-1).view(np.uint8)
+    memcpy_s = best_seconds(lambda: np.copyto(flat_dst, flat_src), repeats)
+    with PoolClient.connect(address, spec, salt=b"bench") as client:
+        hashes = [block_bytes.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(n)]
+        client.put(hashes, src)  # the first put faults the arena pages in
+        put_times: list[float] = []
+        for _ in range(repeats):
+            client.remove(hashes)
+            t0 = time.perf_counter()
+            result = client.put(hashes, src)
+            put_times.append(time.perf_counter() - t0)
+            assert result.stored == n, result
+        put_s = min(put_times)
+        get_into_s = best_seconds(lambda: client.get_into(hashes, dst), repeats)
+        assert np.array_equal(dst.view(np.uint16), src.view(np.uint16))
+        get_s = best_seconds(lambda: client.get(hashes), repeats)
+        client.remove(hashes)
+
+    def gbps(seconds: float) -> float:
+        return total_bytes / seconds / 1e9
+
+    return {
+        "block_bytes": block_bytes,
+        "blocks": n,
+        "memcpy_GBps": gbps(memcpy_s),
+        "put_GBps": gbps(put_s),
+        "get_GBps": gbps(get_s),
+        "get_into_GBps": gbps(get_into_s),
+        "put_ratio": memcpy_s / put_s,
+        "get_ratio": memcpy_s / get_s,
+        "get_into_ratio": memcpy_s / get_into_s,
+    }
+
+
 def bench_transfers(address: str, total_bytes: int, repeats: int) -> list[dict[str, float]]:
-    rows = []
-    for block_bytes in (256 * KiB, 1 * MiB, 4 * MiB):
-        spec = spec_for(block_bytes)
-        n = total_bytes // block_bytes
-        rng = np.random.default_rng(block_bytes)
-        src = rng.integers(0, 1 << 16, size=(n, *spec.block_shape), dtype=np.uint16).view(np.float16)
-        dst = np.empty_like(src)
-        dst.fill(0)  # fault the pages in before timing
-        flat_src = src.reshape(-1).view(np.uint8)
-        flat_dst = dst.reshape(-1).view(np.uint8)
-        memcpy_s = best_seconds(lambda: np.copyto(flat_dst, flat_src), repeats)
-        with PoolClient.connect(address, spec, salt=b"bench") as client:
-            hashes = [block_bytes.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(n)]
-            client.put(hashes, src)  # first put faults the arena pages in
-            client.remove(hashes)
-
-            def put() -> None:
-                client.remove(hashes)
-                t0 = time.perf_counter()
-                result = client.put(hashes, src)
-                put_times.append(time.perf_counter() - t0)
-                assert result.stored == n, result
-
-            put_times: list[float] = []
-            for _ in range(repeats):
-                put()
-            put_s = min(put_times)
-            get_into_s = best_seconds(lambda: client.get_into(hashes, dst), repeats)
-            assert np.array_equal(dst.view(np.uint16), src.view(np.uint16))
-            get_s = best_seconds(lambda: client.get(hashes), repeats)
-            client.remove(hashes)
-        gbps = lambda s: total_bytes / s / 1e9  # noqa: E731
-        rows.append({
-            "block_bytes": block_bytes, "blocks": n, "memcpy_GBps": gbps(memcpy_s),
-            "put_GBps": gbps(put_s), "get_GBps": gbps(get_s), "get_into_GBps": gbps(get_into_s),
-            "put_ratio": memcpy_s / put_s, "get_ratio": memcpy_s / get_s, "get_into_ratio": memcpy_s / get_into_s,
-        })
-    return rows
+    return [bench_one_size(address, size, total_bytes, repeats) for size in (256 * KiB, 1 * MiB, 4 * MiB)]
 
 
 def bench_hashing(repeats: int) -> list[dict[str, float]]:
@@ -152,20 +169,26 @@ def main() -> int:
         proc.wait(10)
     hashing = bench_hashing(args.repeats)
     print(f"# kvpool bench_pool  ({os.cpu_count()} CPUs, {args.total_mib} MiB per measurement, best of {args.repeats})")
-    print(f"{'block':>8} {'memcpy GB/s':>12} {'put GB/s':>10} {'(x)':>6} {'get GB/s':>10} {'(x)':>6} "
-          f"{'get_into GB/s':>14} {'(x)':>6}")
+    print(
+        f"{'block':>8} {'memcpy GB/s':>12} {'put GB/s':>10} {'(x)':>6} {'get GB/s':>10} {'(x)':>6} "
+        f"{'get_into GB/s':>14} {'(x)':>6}"
+    )
     for r in transfers:
-        print(f"{int(r['block_bytes']) // KiB:>6}Ki {r['memcpy_GBps']:>12.2f} {r['put_GBps']:>10.2f} "
-              f"{r['put_ratio']:>6.2f} {r['get_GBps']:>10.2f} {r['get_ratio']:>6.2f} "
-              f"{r['get_into_GBps']:>14.2f} {r['get_into_ratio']:>6.2f}")
+        print(
+            f"{int(r['block_bytes']) // KiB:>6}Ki {r['memcpy_GBps']:>12.2f} {r['put_GBps']:>10.2f} "
+            f"{r['put_ratio']:>6.2f} {r['get_GBps']:>10.2f} {r['get_ratio']:>6.2f} "
+            f"{r['get_into_GBps']:>14.2f} {r['get_into_ratio']:>6.2f}"
+        )
     four = transfers[-1]["get_into_ratio"]
     print(f"target get_into 4 MiB >= 0.5x memcpy: {four:.2f}x -> {'MET' if four >= 0.5 else 'MISSED'}")
     for h in hashing:
         print(f"hash 128K tokens, {int(h['block_tokens'])} tokens/block: {h['ms']:.2f} ms")
     worst = max(h["ms"] for h in hashing)
     print(f"target hashing <= 2 ms: worst {worst:.2f} ms -> {'MET' if worst <= 2.0 else 'MISSED'}")
-    print(f"lookup 512 blocks via daemon: median {lookup['median_ms']:.3f} ms, p99 {lookup['p99_ms']:.3f} ms -> "
-          f"{'MET' if lookup['median_ms'] < 1.0 else 'MISSED'} (target < 1 ms median)")
+    print(
+        f"lookup 512 blocks via daemon: median {lookup['median_ms']:.3f} ms, p99 {lookup['p99_ms']:.3f} ms -> "
+        f"{'MET' if lookup['median_ms'] < 1.0 else 'MISSED'} (target < 1 ms median)"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"transfers": transfers, "hashing": hashing, "lookup": lookup}, fh, indent=2)
