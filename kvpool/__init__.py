@@ -1,6 +1,6 @@
 """kvpool: a global KV-cache pool for LLM serving.
 
-    from kvpool import KVSpec, PoolClient
+from kvpool import KVSpec, PoolClient
 """
 
 from kvpool.client import AsyncPoolClient, PoolAdmin, PoolClient, PutResult

@@ -157,25 +157,57 @@ OPTIONS: list[Option] = [
         "how often expired leases and dead puts are reclaimed. Default 500.",
     ),
     Option("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR. Default INFO."),
-    Option("--directory", "cluster.directory", str, "cluster mode: comma-separated directory addresses "
-           "(HOST:PORT,...); the node registers with the leader and streams its KV events. Default: none."),
-    Option("--etcd", "cluster.etcd", str, "cluster mode: comma-separated etcd endpoints; the node keeps a "
-           "liveness lease there and finds the directory leader through it. Default: none."),
+    Option(
+        "--directory",
+        "cluster.directory",
+        str,
+        "cluster mode: comma-separated directory addresses "
+        "(HOST:PORT,...); the node registers with the leader and streams its KV events. Default: none.",
+    ),
+    Option(
+        "--etcd",
+        "cluster.etcd",
+        str,
+        "cluster mode: comma-separated etcd endpoints; the node keeps a "
+        "liveness lease there and finds the directory leader through it. Default: none.",
+    ),
     Option("--cluster", "cluster.cluster", str, "cluster name (etcd key prefix). Default 'default'."),
-    Option("--data-listen", "cluster.data_listen", str, "data-plane address peers read blocks from, HOST:PORT. "
-           "Default: 127.0.0.1 on a free port when --directory/--etcd is set, else no data plane."),
+    Option(
+        "--data-listen",
+        "cluster.data_listen",
+        str,
+        "data-plane address peers read blocks from, HOST:PORT. "
+        "Default: 127.0.0.1 on a free port when --directory/--etcd is set, else no data plane.",
+    ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp or ucx. Default tcp."),
-    Option("--host-name", "cluster.host", str, "host name used to decide same-host (shared-memory) access. "
-           "Default: the machine's host name."),
-    Option("--heartbeat-interval-ms", "cluster.heartbeat_interval_ms", int, "heartbeat period to the directory. "
-           "Default 500."),
-    Option("--liveness-ttl-s", "cluster.liveness_ttl_s", int, "etcd lease TTL of the node's liveness key. "
-           "Default 3."),
-    Option("--kv-events-endpoint", "cluster.kv_events_endpoint", str, "publish KV events in vLLM's format "
-           "(msgpack over ZMQ PUB) on this endpoint, e.g. tcp://127.0.0.1:5557. Default: off."),
+    Option(
+        "--host-name",
+        "cluster.host",
+        str,
+        "host name used to decide same-host (shared-memory) access. Default: the machine's host name.",
+    ),
+    Option(
+        "--heartbeat-interval-ms",
+        "cluster.heartbeat_interval_ms",
+        int,
+        "heartbeat period to the directory. Default 500.",
+    ),
+    Option("--liveness-ttl-s", "cluster.liveness_ttl_s", int, "etcd lease TTL of the node's liveness key. Default 3."),
+    Option(
+        "--kv-events-endpoint",
+        "cluster.kv_events_endpoint",
+        str,
+        "publish KV events in vLLM's format "
+        "(msgpack over ZMQ PUB) on this endpoint, e.g. tcp://127.0.0.1:5557. Default: off.",
+    ),
     Option("--kv-events-topic", "cluster.kv_events_topic", str, "ZMQ topic of those events. Default empty."),
-    Option("--kv-events-replay-endpoint", "cluster.kv_events_replay_endpoint", str, "ZMQ ROUTER endpoint "
-           "that replays buffered event batches to subscribers that saw a gap (vLLM's protocol). Default: off."),
+    Option(
+        "--kv-events-replay-endpoint",
+        "cluster.kv_events_replay_endpoint",
+        str,
+        "ZMQ ROUTER endpoint "
+        "that replays buffered event batches to subscribers that saw a gap (vLLM's protocol). Default: off.",
+    ),
 ]
 
 
