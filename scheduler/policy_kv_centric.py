@@ -1,0 +1,71 @@
+"""KV-centric placement (Mooncake's Conductor, FAST'25 section 5).
+
+For every prefill instance, predict TTFT = queue + fetch of the part of the best
+prefix it does not hold locally (from the pool or a peer) + prefill of the missed
+tokens + KV transfer to the decode instance, all from the cost model; take the
+minimum. The decode instance is the one with the lowest predicted TPOT. Then:
+
+* prediction-based early rejection: if even the best TTFT or TPOT misses the
+  request's SLO, reject now rather than waste prefill on a request that would fail
+  (and delay others);
+* hot-block replication: blocks hit at least ``hot_threshold`` times are listed in
+  the decision to be (re)placed in the global pool, so a hot prefix survives the
+  eviction of the instance caches holding it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.scheduler.cluster import ClusterState, Decision, RouteRequest
+from kvpool.scheduler.policy_base import Policy, prefill_candidates
+
+
+class KvCentricPolicy(Policy):
+    name = "kv-centric"
+
+    def __init__(self, hot_threshold: int = 4, max_tracked_blocks: int = 200_000, reject: bool = True) -> None:
+        self.hot_threshold = hot_threshold
+        self.max_tracked_blocks = max_tracked_blocks
+        self.reject = reject
+        self._hits: dict[bytes, int] = {}  # insertion-ordered: the oldest-seen counts go first
+
+    def decide(self, req: RouteRequest, state: ClusterState) -> Decision:
+        cands, kind = prefill_candidates(state)
+        lens = state.prefix_lengths(req.hashes)
+        if kind == "instance":
+            ttft, reach = state.plan_ttft_vector(req, cands, lens)
+        else:  # no prefill instances: prefill on the decode node that would also decode
+            plans = [state.plan_prefill(req, int(m), lens, int(m)) for m in cands]
+            ttft = np.array([pl.ttft_ms for pl in plans])
+            reach = np.array([pl.hit_blocks for pl in plans])
+        i = int(np.argmin(ttft))
+        p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
+        dec = state.decode_arr if kind == "instance" else np.array([p])
+        tpot = state.predicted_tpot_ms(req, dec)
+        j = int(np.argmin(tpot))
+        d, best_tpot = int(dec[j]), float(tpot[j])
+        if self.reject and best_ttft > req.slo.ttft_ms:
+            return Decision.reject(
+                f"predicted TTFT {best_ttft:.0f} ms > SLO {req.slo.ttft_ms:.0f} ms", best_ttft, best_tpot
+            )
+        if self.reject and best_tpot > req.slo.tpot_ms:
+            return Decision.reject(
+                f"predicted TPOT {best_tpot:.1f} ms > SLO {req.slo.tpot_ms:.1f} ms", best_ttft, best_tpot
+            )
+        hot = self._count_hits(req.hashes[:hit])
+        return Decision(kind, p, d, hit, best_ttft, best_tpot, False, f"kv-centric: ttft {best_ttft:.0f} ms", hot)
+
+    def _count_hits(self, hashes: tuple[bytes, ...] | list[bytes]) -> tuple[bytes, ...]:
+        hits = self._hits
+        hot: list[bytes] = []
+        threshold = self.hot_threshold
+        for h in hashes:
+            c = hits.get(h, 0) + 1
+            hits[h] = c
+            if c == threshold:
+                hot.append(h)
+        if len(hits) > self.max_tracked_blocks:  # bounded: forget the oldest-seen half
+            for h in list(hits)[: len(hits) // 2]:
+                del hits[h]
+        return tuple(hot)

@@ -1,0 +1,299 @@
+"""Discrete-event trace replay of a policy over a cluster.
+
+Time comes from the cost model only (never the wall clock), so a fixed seed gives
+identical results. Requests are taken in arrival order; before each arrival the
+simulator applies every event due by then (a prefill finishing makes its blocks
+visible in the caches and the pool; a decode finishing frees its KV), updates the
+shared ``ClusterState``, asks the policy, and executes the decision with the same
+arithmetic the policies predict with (``ClusterState.plan_prefill``) plus what a
+prediction cannot see: which local blocks only sit in DRAM (a PCIe copy), waiting
+for decode KV room, and the stall local prefills cause to running decodes.
+
+Modelled simplifications (documented in docs/scheduler.md): each prefill instance
+runs one prefill at a time, FIFO; a request's TPOT is fixed when it joins a decode
+batch (from the batch it joins) plus the stalls it later suffers; the network is
+contention-free except the remote-prefill link, which is FIFO.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpool.core.errors import InternalError, InvalidArgument
+from kvpool.scheduler.cluster import ClusterSpec, ClusterState, Decision, RouteRequest, Slo
+from kvpool.scheduler.cost_model import CostModel, transfer_ms
+from kvpool.scheduler.index import TieredCache, make_cache
+from kvpool.scheduler.policy_base import Policy
+from kvpool.scheduler.trace import TraceHasher, TraceRequest
+
+_INSERT, _PREFILL_DONE, _DECODE_JOIN, _DECODE_DONE = 0, 1, 2, 3
+
+
+@dataclass
+class RequestOutcome:
+    """Per-request results, as parallel arrays (index = trace order)."""
+
+    n: int
+    arrival_ms: np.ndarray = field(init=False)
+    ttft_ms: np.ndarray = field(init=False)
+    tpot_ms: np.ndarray = field(init=False)
+    finish_ms: np.ndarray = field(init=False)
+    prefill_start_ms: np.ndarray = field(init=False)
+    rejected: np.ndarray = field(init=False)
+    blocks: np.ndarray = field(init=False)
+    hit_local: np.ndarray = field(init=False)
+    hit_pool: np.ndarray = field(init=False)
+    hit_peer: np.ndarray = field(init=False)
+    new_tokens: np.ndarray = field(init=False)
+    input_tokens: np.ndarray = field(init=False)
+    bytes_moved: np.ndarray = field(init=False)
+    prefill_kind: np.ndarray = field(init=False)  # 0 instance, 1 decode-local, 2 remote, -1 rejected
+    decision_ns: np.ndarray = field(init=False)
+    decided: np.ndarray = field(init=False)  # how many times the request was decided (must be 1)
+
+    def __post_init__(self) -> None:
+        n = self.n
+        for name in ("arrival_ms", "ttft_ms", "tpot_ms", "finish_ms", "prefill_start_ms", "bytes_moved"):
+            setattr(self, name, np.full(n, np.nan))
+        for name in (
+            "blocks",
+            "hit_local",
+            "hit_pool",
+            "hit_peer",
+            "new_tokens",
+            "input_tokens",
+            "decision_ns",
+            "decided",
+        ):
+            setattr(self, name, np.zeros(n, dtype=np.int64))
+        self.rejected = np.zeros(n, dtype=bool)
+        self.prefill_kind = np.full(n, -1, dtype=np.int64)
+
+
+_KIND_CODE = {"instance": 0, "decode_local": 1, "remote": 2}
+
+
+class Simulator:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        cost: CostModel,
+        policy: Policy,
+        slo: Slo,
+        *,
+        speedup: float = 1.0,
+        hasher: TraceHasher | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if not speedup > 0:
+            raise InvalidArgument(f"speedup must be positive, got {speedup}")
+        self.spec, self.cost, self.policy, self.slo, self.speedup = spec, cost, policy, slo, speedup
+        self.hasher = hasher or TraceHasher()
+        self.progress = progress
+        self.state = ClusterState(spec, cost)
+        index = self.state.index
+        self.local: list[TieredCache] = [
+            TieredCache(spec.hbm_blocks, spec.dram_blocks, lambda h, m=m: index.remove(h, m), spec.eviction)
+            for m in range(spec.num_instances)
+        ]
+        pool_member = spec.pool_member
+        self.pool = make_cache(spec.pool_blocks, spec.eviction, on_leave=lambda h: index.remove(h, pool_member))
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        # per decode member: running [finish_ms, kv_tokens, request index, decode start ms], and a FIFO of waiters
+        self._running: dict[int, list[list[float]]] = {int(m): [] for m in self.state.decode_arr}
+        self._waiting: dict[int, deque[int]] = {int(m): deque() for m in self.state.decode_arr}
+        self.replicated_blocks = 0
+        self.last_time_ms = 0.0
+
+    # ---- events -------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+
+    def _advance(self, now: float) -> None:
+        if now < self.last_time_ms:
+            raise InternalError(f"simulated time ran backwards: {now} < {self.last_time_ms}")
+        ev = self._events
+        while ev and ev[0][0] <= now:
+            t, _, kind, payload = heapq.heappop(ev)
+            if t < self.last_time_ms:
+                raise InternalError(f"simulated time ran backwards: event at {t} < {self.last_time_ms}")
+            self.last_time_ms = t
+            self.state.now_ms = t
+            if kind == _INSERT:
+                members, hashes = payload
+                self._insert(members, hashes)
+            elif kind == _PREFILL_DONE:
+                member, tokens = payload
+                self.state.outstanding_tokens[member] -= tokens
+                self.state.outstanding_requests[member] -= 1
+            elif kind == _DECODE_JOIN:
+                d, idx = payload
+                self._waiting[d].append(idx)
+                self._admit(d, t)
+            else:
+                d, entry = payload
+                if entry[0] > t:  # stalled by a local prefill after it was scheduled: finish later
+                    self._push(entry[0], _DECODE_DONE, payload)
+                    continue
+                self._retire(d, entry)
+                self._admit(d, t)
+        if now != float("inf"):
+            self.last_time_ms = now
+            self.state.now_ms = now
+
+    def _admit(self, d: int, t: float) -> None:
+        """Start waiting requests on decode node ``d`` (FIFO) while KV room and batch slots allow."""
+        state, spec, out = self.state, self.spec, self.out
+        waiting = self._waiting[d]
+        while waiting:
+            i = waiting[0]
+            kv_tokens = int(out.input_tokens[i] + self._out_tokens[i])
+            ctx = int(state.decode_context_tokens[d])
+            active = int(state.decode_active[d])
+            fits = ctx + kv_tokens <= spec.decode_kv_capacity_tokens and active < spec.max_decode_batch
+            if not fits and active > 0:
+                return
+            waiting.popleft()  # an idle node always admits (a request larger than the node still runs)
+            n_out = int(self._out_tokens[i])
+            tpot = float(self.cost.decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2))
+            entry = [t + max(0, n_out - 1) * tpot, float(kv_tokens), float(i), t]
+            self._running[d].append(entry)
+            state.decode_active[d] += 1
+            state.decode_context_tokens[d] += kv_tokens
+            out.ttft_ms[i] = t - out.arrival_ms[i]
+            self._push(entry[0], _DECODE_DONE, (d, entry))
+
+    def _retire(self, d: int, a: list[float]) -> None:
+        finish, kv_tokens, idx, start = a
+        i = int(idx)
+        out = self.out
+        out.finish_ms[i] = finish
+        out.tpot_ms[i] = (finish - start) / max(1, self._out_tokens[i] - 1)
+        self.state.decode_active[d] -= 1
+        self.state.decode_context_tokens[d] -= int(kv_tokens)
+        self._running[d].remove(a)
+
+    def _insert(self, members: Sequence[int], hashes: Sequence[bytes]) -> None:
+        index = self.state.index
+        for m in members:
+            cache = self.local[m]
+            for h in hashes:
+                cache.insert(h)
+            index.add_many(hashes, m)
+        if self.spec.pool_blocks != 0:
+            pool = self.pool
+            for h in hashes:
+                pool.insert(h)
+            index.add_many(hashes, self.spec.pool_member)
+
+    # ---- the run ------------------------------------------------------------------
+    def run(self, trace: Sequence[TraceRequest]) -> RequestOutcome:
+        n = len(trace)
+        self.out = out = RequestOutcome(n)
+        self._out_tokens = np.array([r.output_tokens for r in trace], dtype=np.int64)
+        state = self.state
+        step = max(1, n // 100)
+        for i, r in enumerate(trace):
+            now = r.arrival_ms / self.speedup
+            self._advance(now)
+            hashes = self.hasher.hashes(r.block_ids)
+            req = RouteRequest(hashes, r.input_tokens, r.output_tokens, self.slo, i)
+            t0 = time.perf_counter_ns()
+            decision = self.policy.decide(req, state)
+            out.decision_ns[i] = time.perf_counter_ns() - t0  # reported only; never feeds simulated time
+            out.arrival_ms[i] = now
+            out.blocks[i] = len(hashes)
+            out.input_tokens[i] = r.input_tokens
+            out.decided[i] += 1
+            if decision.rejected:
+                out.rejected[i] = True
+            else:
+                self._execute(i, req, decision, now)
+            self.policy.observe(req, decision, state)
+            if self.progress is not None and (i % step == 0 or i == n - 1):
+                self.progress(i + 1, n)
+        self._advance(self._horizon())
+        return out
+
+    def _horizon(self) -> float:
+        """Run every remaining event (decode completions may re-queue after stalls)."""
+        return float("inf")
+
+    def _check(self, d: Decision) -> None:
+        spec = self.spec
+        role = spec.role(d.prefill_member) if 0 <= d.prefill_member < spec.num_instances else "none"
+        want = {"instance": "prefill", "decode_local": "decode", "remote": "remote"}[d.prefill_kind]
+        if role != want or spec.role(d.decode_member) != "decode":
+            raise InternalError(f"policy {self.policy.name} returned an invalid placement {d}")
+        if d.prefill_kind == "decode_local" and d.prefill_member != d.decode_member:
+            raise InternalError(f"policy {self.policy.name}: a decode-local prefill must decode on the same node")
+
+    def _execute(self, i: int, req: RouteRequest, d: Decision, now: float) -> None:
+        self._check(d)
+        state, spec, cost, out = self.state, self.spec, self.cost, self.out
+        m, dm = d.prefill_member, d.decode_member
+        lens = state.prefix_lengths(req.hashes)
+        local_len = min(int(lens[m]), len(req.hashes))
+        cache = self.local[m]
+        dram_only = cache.dram_only(req.hashes[:local_len])
+        plan = state.plan_prefill(req, m, lens, dm, dram_only)
+        # a hit refreshes recency where it was found
+        for h in req.hashes[:local_len]:
+            cache.insert(h)
+        if plan.pool_blocks:
+            for h in req.hashes[local_len : local_len + plan.pool_blocks]:
+                self.pool.touch(h)
+        moved = (plan.pool_blocks + plan.peer_blocks) * state.block_bytes
+        if d.replicate_hashes and spec.pool_blocks != 0:
+            fresh = [h for h in d.replicate_hashes if h not in self.pool]
+            self.replicated_blocks += len(fresh)
+            moved += len(fresh) * state.block_bytes
+            self._insert((), d.replicate_hashes)
+        start = now + plan.queue_ms
+        done = start + plan.fetch_ms + plan.prefill_ms
+        state.busy_until_ms[m] = done
+        state.outstanding_tokens[m] += plan.new_tokens
+        state.outstanding_requests[m] += 1
+        self._push(done, _PREFILL_DONE, (m, plan.new_tokens))
+        kind = d.prefill_kind
+        if kind == "remote":
+            xfer = float(
+                transfer_ms(
+                    plan.new_tokens * cost.kv_bytes_per_token,
+                    spec.remote_link_bandwidth_bytes_per_s,
+                    spec.remote_link_latency_ms,
+                )
+            )
+            send = max(done, state.link_busy_until_ms)
+            state.link_busy_until_ms = send + xfer
+            first = send + xfer
+            moved += plan.new_tokens * cost.kv_bytes_per_token
+            self._push(done, _INSERT, ((m,), req.hashes))
+            self._push(first, _INSERT, ((dm,), req.hashes))
+        elif kind == "decode_local":
+            first = done
+            self._push(done, _INSERT, ((m,), req.hashes))
+            stall = done - max(start, now)
+            for a in self._running[dm]:  # running decodes on this node wait for the prefill
+                a[0] += stall
+        else:
+            first = done + plan.to_decode_ms
+            moved += req.input_tokens * cost.kv_bytes_per_token
+            self._push(done, _INSERT, ((m,), req.hashes))
+        self._push(first, _DECODE_JOIN, (dm, i))
+        out.prefill_start_ms[i] = start
+        out.hit_local[i] = plan.local_blocks
+        out.hit_pool[i] = plan.pool_blocks
+        out.hit_peer[i] = plan.peer_blocks
+        out.new_tokens[i] = plan.new_tokens
+        out.bytes_moved[i] = moved
+        out.prefill_kind[i] = _KIND_CODE[kind]

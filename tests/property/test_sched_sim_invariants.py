@@ -1,0 +1,88 @@
+"""Simulator invariants on generated traces and clusters: every request is decided once
+and finishes or is rejected, events never run backwards, hits never exceed the prompt,
+and a rerun with the same seed is identical."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.scheduler.cluster import ClusterSpec, Slo
+from kvpool.scheduler.cost_model import get_preset
+from kvpool.scheduler.policies import policy_names
+from kvpool.scheduler.runner import Workload, run_policy
+from kvpool.scheduler.trace import TraceRequest
+
+COST = get_preset("llama3-70b-a800x8")
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> list[TraceRequest]:
+    n = draw(st.integers(1, 25))
+    sessions: list[list[int]] = []
+    next_id = 0
+    t = 0.0
+    out = []
+    for i in range(n):
+        t += draw(st.floats(0, 5_000))
+        reuse = draw(st.booleans())
+        if sessions and reuse:
+            s = sessions[draw(st.integers(0, len(sessions) - 1))]
+        else:
+            s = []
+            sessions.append(s)
+        for _ in range(draw(st.integers(1, 8))):
+            s.append(next_id)
+            next_id += 1
+        ids = tuple(s)
+        n_in = len(ids) * 512 - draw(st.integers(0, 511))
+        out.append(TraceRequest(i, t, n_in, draw(st.integers(1, 300)), ids))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    traces(),
+    st.sampled_from(policy_names()),
+    st.integers(0, 3),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.sampled_from([None, 0, 20]),
+    st.floats(0.5, 50),
+    st.integers(0, 3),
+)
+def test_replay_invariants(
+    trace: list[TraceRequest],
+    policy: str,
+    prefill: int,
+    decode: int,
+    remote: int,
+    pool: int | None,
+    speedup: float,
+    seed: int,
+) -> None:
+    spec = ClusterSpec(
+        num_prefill=prefill,
+        num_decode=decode,
+        num_remote_prefill=remote,
+        hbm_blocks=8,
+        dram_blocks=8,
+        pool_blocks=pool,
+        decode_kv_capacity_tokens=20_000,
+        max_decode_batch=4,
+    )
+    slo = Slo(5_000, 100)
+    s1, o1 = run_policy(Workload.of(trace), spec, COST, policy, slo, speedup=speedup, seed=seed)
+    assert (o1.decided == 1).all()
+    served = ~o1.rejected
+    assert np.isfinite(o1.finish_ms[served]).all() and np.isnan(o1.ttft_ms[~served]).all()
+    assert (o1.prefill_start_ms[served] >= o1.arrival_ms[served]).all()
+    assert (o1.ttft_ms[served] > 0).all()
+    assert (o1.finish_ms[served] + 1e-6 >= o1.arrival_ms[served] + o1.ttft_ms[served]).all()
+    assert (o1.hit_local + o1.hit_pool + o1.hit_peer <= o1.blocks).all()
+    assert (o1.new_tokens[served] >= 1).all()
+    assert s1.served + s1.rejected == len(trace)
+    _, o2 = run_policy(Workload.of(trace), spec, COST, policy, slo, speedup=speedup, seed=seed)
+    np.testing.assert_array_equal(o1.ttft_ms, o2.ttft_ms)
+    np.testing.assert_array_equal(o1.finish_ms, o2.finish_ms)
