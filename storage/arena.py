@@ -75,6 +75,28 @@ class SharedArena:
             raise
         return cls(path, capacity_bytes, False, fd, mapping)
 
+    @staticmethod
+    def reap_stale(directory: str, name_hint: str = "kvpool") -> list[str]:
+        """Remove arena files left by daemons that died without cleaning up (SIGKILL, OOM).
+
+        A file is stale when the pid in its name is no longer alive; each would otherwise
+        pin its size of shared memory until reboot.
+        """
+        removed: list[str] = []
+        for path in pathlib.Path(directory).glob(f"{name_hint}-*-*.arena"):
+            parts = path.name.split("-")
+            if len(parts) < 3 or not parts[1].isdigit():
+                continue
+            pid = int(parts[1])
+            if pid == os.getpid() or _pid_alive(pid):
+                continue
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except OSError:
+                pass  # another user's file, or already gone
+        return removed
+
     def region(self, offset: int, length: int) -> np.ndarray:
         """A uint8 view of [offset, offset + length) with bounds checked."""
         if offset < 0 or length < 0 or offset + length > self.capacity_bytes:
@@ -95,3 +117,13 @@ class SharedArena:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True

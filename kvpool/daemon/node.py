@@ -33,6 +33,8 @@ class PoolNode:
         self.config = config
         self.node_id = config.node_id or config.listen
         self.events = EventLog(self.node_id)
+        for stale in SharedArena.reap_stale(config.arena_dir):
+            log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
         self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._ns_lock = threading.Lock()
