@@ -9,10 +9,8 @@ background task exits non-zero.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from concurrent import futures
-from types import FrameType
 from typing import Any
 
 import grpc
@@ -87,15 +85,6 @@ class PoolServer:
 
     def wait(self) -> int:
         """Block until SIGTERM/SIGINT or a crashed background task; returns the exit code."""
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %d: shutting down", signum)
-            self.supervisor.stopping.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        while not self.supervisor.stopping.wait(0.5):
-            pass
-        failed = self.supervisor.failure is not None
+        failed = self.supervisor.wait_for_stop()
         self.stop()
         return 1 if failed else 0

@@ -4,8 +4,10 @@ daemon loudly (logged, non-zero exit) instead of silently switching a feature of
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
 
 log = logging.getLogger("kvpool.supervisor")
 
@@ -42,3 +44,16 @@ class Supervisor:
         self.stopping.set()
         for thread in self._threads:
             thread.join(join_timeout_s)
+
+    def wait_for_stop(self) -> bool:
+        """Block until SIGTERM/SIGINT or a crashed task (main thread only); True if a task crashed."""
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("signal %d: shutting down", signum)
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        while not self.stopping.wait(0.5):
+            pass
+        return self.failure is not None

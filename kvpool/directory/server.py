@@ -9,11 +9,9 @@ Background work (expiry, flush, election, etcd watch) runs under one ``Superviso
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from concurrent import futures
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import grpc
@@ -144,13 +142,6 @@ class DirectoryServer:
             self.db.close()
 
     def wait(self) -> int:
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            self.supervisor.stopping.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        while not self.supervisor.stopping.wait(0.5):
-            pass
-        failed = self.supervisor.failure is not None
+        failed = self.supervisor.wait_for_stop()
         self.stop()
         return 1 if failed else 0
