@@ -23,6 +23,7 @@ import grpc
 from kvpool.core.errors import ErrorCode, InvalidArgument, KVPoolError
 from kvpool.core.hashing import pack_hashes, unpack_hashes
 from kvpool.proto import router_pb2, router_pb2_grpc
+from kvpool.rpc.codec import server_options
 from kvpool.rpc.errors import typed_handler
 from kvpool.scheduler.cluster import Slo
 from kvpool.scheduler.router_core import RouterCore, RouteResult, WorkerLoad
@@ -169,7 +170,7 @@ class RouterServer:
         self, core: RouterCore, grpc_listen: str = "127.0.0.1:7460", http_listen: str | None = None, workers: int = 8
     ) -> None:
         self.core = core
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(4 << 20))
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), self._grpc)
         host, _, _port = grpc_listen.rpartition(":")
         self.grpc_port = self._grpc.add_insecure_port(grpc_listen)

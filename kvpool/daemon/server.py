@@ -22,7 +22,7 @@ from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.proto import pool_pb2_grpc
-from kvpool.rpc.codec import channel_options
+from kvpool.rpc.codec import server_options
 
 log = logging.getLogger("kvpool.server")
 
@@ -38,7 +38,7 @@ class PoolServer:
         self.node = PoolNode(config, MonotonicClock())
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
-            options=channel_options(config.max_message_bytes),
+            options=server_options(config.max_message_bytes),
         )
         service = PoolService(self.node, max_event_subscribers=max(1, config.grpc_workers // 2))
         pool_pb2_grpc.add_PoolServicer_to_server(service, self._server)

@@ -23,7 +23,7 @@ from kvpool.directory.etcd import EtcdClient, LeaderElection, live_nodes
 from kvpool.directory.service import DirectoryService
 from kvpool.directory.state import DirectoryDB, DirectoryState
 from kvpool.proto import directory_pb2_grpc
-from kvpool.rpc.codec import channel_options
+from kvpool.rpc.codec import server_options
 
 log = logging.getLogger("kvpool.directory.server")
 
@@ -65,7 +65,7 @@ class DirectoryServer:
         self.service = DirectoryService(self.state, self.is_leader, self.leader, self._extra_stats)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
-            options=channel_options(config.max_message_bytes),
+            options=server_options(config.max_message_bytes),
         )
         directory_pb2_grpc.add_DirectoryServicer_to_server(self.service, self._server)
         self._stopped = threading.Event()

@@ -66,3 +66,9 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options for every kvpool gRPC server. SO_REUSEPORT is off: gRPC turns it on by default,
+    which would let a second daemon silently share a port in use instead of failing to start."""
+    return [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
