@@ -99,6 +99,23 @@ class SlabAllocator:
             self._slab_free_slots[slab] = []
             self._free_slabs.append(slab)
 
+    def free_slots_for(self, block_bytes: int) -> int:
+        """Slots of this block size obtainable now without freeing anything."""
+        slot_bytes = slot_size_for(block_bytes)
+        per_slab = self.slab_bytes // slot_bytes
+        cls = self._classes.get(slot_bytes)
+        partial = sum(len(self._slab_free_slots[s]) for s in cls.partial_slabs) if cls is not None else 0
+        return partial + len(self._free_slabs) * per_slab
+
+    def slots_per_slab(self, block_bytes: int) -> int:
+        return self.slab_bytes // slot_size_for(block_bytes)
+
+    def slab_of(self, offset: int) -> int:
+        return offset // self.slab_bytes
+
+    def slab_used_slots(self, slab: int) -> int:
+        return int(self._slab_used[slab])
+
     def slot_bytes_at(self, offset: int) -> int:
         return int(self._slab_class[offset // self.slab_bytes])
 

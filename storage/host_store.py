@@ -401,19 +401,8 @@ class HostStore:
     def _allocate(self, count: int, block_bytes: int, now: float) -> list[int]:
         need = count * slot_size_for(block_bytes)
         capacity = self._alloc.capacity_bytes
-        if self._alloc.used_bytes + need > capacity:
-            # near full: check the put can fit at all before evicting anything, so a put that
-            # must fail costs no stored block (a scan, but only on this rare path)
-            evictable_bytes = sum(
-                self._alloc.slot_bytes_at(e.offset) for k, e in self._index.items() if self._evictable(k)
-            )
-            if self._alloc.used_bytes - evictable_bytes + need > capacity:
-                raise CapacityExhausted(
-                    f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of {capacity} "
-                    f"bytes are used and only {evictable_bytes} could be evicted (the rest is leased, pinned "
-                    "or in flight); nothing was evicted",
-                    hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
-                )
+        if self._alloc.free_slots_for(block_bytes) < count:
+            self._check_can_fit(count, block_bytes)
         if self._alloc.used_bytes + need > self.config.high_watermark * capacity:
             target = max(0.0, self.config.low_watermark * capacity - need)
             while self._alloc.used_bytes > target and self._evict_one():
@@ -433,6 +422,35 @@ class HostStore:
                     hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
                 )
         return offsets
+
+    def _check_can_fit(self, count: int, block_bytes: int) -> None:
+        """Raise CapacityExhausted, before anything is evicted, if no choice of evictions can
+        yield ``count`` slots of this size: a put that must fail costs no stored block.
+
+        Counted per slab, because slabs are per size class: evicting a block frees a slot of
+        its own class, and frees room for another class only when its whole slab empties.
+        A scan of the index, but only on this path (eviction is needed to fit).
+        """
+        slot_bytes = slot_size_for(block_bytes)
+        evictable_per_slab: dict[int, int] = {}
+        for key, entry in self._index.items():
+            if self._evictable(key):
+                slab = self._alloc.slab_of(entry.offset)
+                evictable_per_slab[slab] = evictable_per_slab.get(slab, 0) + 1
+        obtainable = self._alloc.free_slots_for(block_bytes)
+        per_slab = self._alloc.slots_per_slab(block_bytes)
+        for slab, evictable in evictable_per_slab.items():
+            if self._alloc.slot_bytes_at(slab * self._alloc.slab_bytes) == slot_bytes:
+                obtainable += evictable  # same class: each eviction frees a usable slot
+            elif evictable == self._alloc.slab_used_slots(slab):
+                obtainable += per_slab  # another class: only a slab emptied whole helps
+        if obtainable < count:
+            raise CapacityExhausted(
+                f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
+                f"{self._alloc.capacity_bytes} bytes are used and evictions could free only {obtainable} "
+                "such slots (the rest is leased, pinned or in flight); nothing was evicted",
+                hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
+            )
 
     def _unindex(self, entry: Entry) -> None:
         del self._index[entry.key]

@@ -9,6 +9,7 @@ bytes, and one tenant can never probe another's prompts.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +118,12 @@ class KVSpec:
         return first_layer * per_layer, num_layers * per_layer
 
     def canonical_encoding(self) -> bytes:
-        """A stable byte encoding: same spec -> same bytes, on every machine and version."""
-        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
-        return (SPEC_ENCODING_VERSION + "|" + "|".join(sorted(fields))).encode("utf-8")
+        """A stable, injective byte encoding: same spec -> same bytes on every machine and
+        version; different specs -> different bytes (JSON escapes every text field, so a model
+        name containing separators cannot impersonate another field)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return f"{SPEC_ENCODING_VERSION}|{body}".encode("ascii")
 
     def digest(self) -> bytes:
         """16-byte digest of the canonical encoding."""

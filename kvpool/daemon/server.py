@@ -46,6 +46,7 @@ class PoolServer:
         self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
 
     def start(self) -> None:
+        self.supervisor.install_stop_signals()
         try:
             port = self._server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:

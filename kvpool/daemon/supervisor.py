@@ -45,8 +45,11 @@ class Supervisor:
         for thread in self._threads:
             thread.join(join_timeout_s)
 
-    def wait_for_stop(self) -> bool:
-        """Block until SIGTERM/SIGINT or a crashed task (main thread only); True if a task crashed."""
+    def install_stop_signals(self) -> None:
+        """SIGTERM/SIGINT set ``stopping``. Call before serving starts, so a signal that
+        arrives during start-up still shuts down cleanly; a no-op off the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("signal %d: shutting down", signum)
@@ -54,6 +57,10 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+    def wait_for_stop(self) -> bool:
+        """Block until SIGTERM/SIGINT or a crashed task; True if a task crashed."""
+        self.install_stop_signals()
         while not self.stopping.wait(0.5):
             pass
         return self.failure is not None

@@ -90,6 +90,7 @@ class DirectoryServer:
         }
 
     def start(self) -> None:
+        self.supervisor.install_stop_signals()
         try:
             port = self._server.add_insecure_port(self.config.listen)
         except RuntimeError:
