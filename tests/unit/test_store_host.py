@@ -1,0 +1,324 @@
+"""HostStore scenarios: two-phase puts, checksums, leases, pins, eviction, watermarks, sweep."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from kvpool.core.checksum import checksum64
+from kvpool.core.clock import FakeClock
+from kvpool.core.config import StoreConfig
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
+from kvpool.core.events import EventKind
+from kvpool.storage.host_store import HostStore
+
+BLOCK = 1024
+SLAB = 4096
+NS = b"n" * 16
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int) -> np.ndarray:
+    return np.full(BLOCK, i % 251, dtype=np.uint8) ^ np.arange(BLOCK, dtype=np.uint8)
+
+
+class Harness:
+    """A store of ``slots`` 1 KiB slots (a multiple of 4: four slots per 4 KiB slab)."""
+
+    def __init__(self, slots: int = 8, **overrides: object) -> None:
+        assert slots % (SLAB // BLOCK) == 0
+        fields: dict[str, object] = {"capacity_bytes": slots * BLOCK, "slab_bytes": SLAB,
+                                     "high_watermark": 1.0, "low_watermark": 1.0}  # fmt: skip
+        fields.update(overrides)
+        self.config = StoreConfig(**fields)  # type: ignore[arg-type]
+        self.clock = FakeClock()
+        self.buffer = np.zeros(self.config.capacity_bytes, dtype=np.uint8)
+        self.events: list[tuple[EventKind, list[bytes], bytes]] = []
+        self.store = HostStore(self.buffer, self.config, self.clock,
+                               on_event=lambda k, h, n: self.events.append((k, list(h), n)))  # fmt: skip
+
+    def put(self, ids: Sequence[int]) -> int:
+        grant = self.store.put_start(NS, [key(i) for i in ids], BLOCK)
+        sums = []
+        for index, offset in grant.slots:
+            self.buffer[offset : offset + BLOCK] = payload(ids[index])
+            sums.append(checksum64(payload(ids[index])))
+        if grant.put_id == 0:
+            return 0
+        return self.store.put_commit(grant.put_id, sums).committed
+
+    def read(self, i: int) -> np.ndarray | None:
+        grant = self.store.lease([key(i)])
+        if not grant.lease_id:
+            return None
+        loc = grant.locations[0]
+        data = self.buffer[loc.offset : loc.offset + loc.size].copy()
+        assert checksum64(data) == loc.checksum
+        self.store.release(grant.lease_id)
+        return data
+
+    def present(self) -> set[int]:
+        return {int.from_bytes(k, "big") for k in self.store.snapshot_keys()}
+
+
+def test_put_then_read_returns_the_bytes_and_emits_stored() -> None:
+    h = Harness()
+    assert h.put([1, 2, 3]) == 3
+    for i in (1, 2, 3):
+        got = h.read(i)
+        assert got is not None and np.array_equal(got, payload(i))
+    assert h.store.lookup([key(1), key(2), key(3)]) == 3
+    assert h.events == [(EventKind.STORED, [key(1), key(2), key(3)], NS)]
+    assert h.store.used_bytes() == 3 * BLOCK
+
+
+def test_half_written_block_is_invisible_until_commit() -> None:
+    h = Harness()
+    grant = h.store.put_start(NS, [key(1)], BLOCK)
+    ((_index, offset),) = grant.slots
+    h.buffer[offset : offset + BLOCK] = payload(1)
+    assert h.store.lookup([key(1)]) == 0
+    assert h.store.lease([key(1)]).lease_id == 0
+    assert h.store.snapshot_keys() == []
+    again = h.store.put_start(NS, [key(1)], BLOCK)  # another writer: told it is in flight
+    assert again.put_id == 0 and again.in_flight == [0]
+    assert h.store.put_commit(grant.put_id, [checksum64(payload(1))]).committed == 1
+    assert h.store.lookup([key(1)]) == 1
+    assert h.store.put_start(NS, [key(1)], BLOCK).already_present == [0]
+
+
+def test_commit_with_bad_checksum_stores_nothing_and_frees_the_slot() -> None:
+    h = Harness()
+    grant = h.store.put_start(NS, [key(1), key(2)], BLOCK)
+    for index, offset in grant.slots:
+        h.buffer[offset : offset + BLOCK] = payload(index + 1)
+    good = checksum64(payload(1))
+    result = h.store.put_commit(grant.put_id, [good, good ^ 1])
+    assert result.committed == 1 and result.checksum_failed == [1]
+    assert h.store.lookup([key(1)]) == 1 and h.store.lookup([key(2)]) == 0
+    assert h.store.used_bytes() == BLOCK
+    assert h.store.summary()["checksum_failures"] == 1
+    assert h.events == [(EventKind.STORED, [key(1)], NS)]
+
+
+def test_commit_errors() -> None:
+    h = Harness()
+    with pytest.raises(NotFound):
+        h.store.put_commit(12345, [])
+    grant = h.store.put_start(NS, [key(1), key(2)], BLOCK)
+    with pytest.raises(InvalidArgument, match="2 written blocks"):
+        h.store.put_commit(grant.put_id, [0])
+    assert h.store.used_bytes() == 0 and h.store.lookup([key(1)]) == 0
+    with pytest.raises(NotFound):  # the put is gone
+        h.store.put_commit(grant.put_id, [0, 0])
+    assert h.put([1, 2]) == 2  # the keys are free to be written again
+
+
+def test_abort_frees_slots_and_keys() -> None:
+    h = Harness()
+    grant = h.store.put_start(NS, [key(1)], BLOCK)
+    h.store.put_abort(grant.put_id)
+    h.store.put_abort(grant.put_id)  # idempotent
+    assert h.store.used_bytes() == 0
+    assert h.put([1]) == 1
+
+
+def test_duplicate_keys_in_one_put_are_written_once() -> None:
+    h = Harness()
+    grant = h.store.put_start(NS, [key(1), key(1), key(2)], BLOCK)
+    assert [i for i, _ in grant.slots] == [0, 2] and grant.in_flight == [1]
+
+
+def test_lookup_is_the_longest_present_prefix() -> None:
+    h = Harness()
+    h.put([1, 2, 4])
+    assert h.store.lookup([key(1), key(2), key(3), key(4)]) == 2
+    assert h.store.lookup([key(3), key(1)]) == 0
+    assert h.store.lookup([]) == 0
+    grant = h.store.lease([key(1), key(2), key(3), key(4)])
+    assert len(grant.locations) == 2
+    assert h.store.summary()["hits"] == 2 and h.store.summary()["misses"] == 2
+
+
+def test_leased_block_is_not_evicted_and_its_bytes_do_not_change() -> None:
+    h = Harness(slots=4)
+    h.put([1, 2, 3, 4])
+    grant = h.store.lease([key(1)])
+    loc = grant.locations[0]
+    h.put([5])  # full: must evict an unleased block, LRU = 2 (1 was just accessed)
+    assert 1 in h.present() and 2 not in h.present()
+    assert np.array_equal(h.buffer[loc.offset : loc.offset + BLOCK], payload(1))
+    h.store.release(grant.lease_id)
+
+
+def test_remove_of_a_leased_block_defers_the_free() -> None:
+    h = Harness(slots=4)
+    h.put([1, 2, 3, 4])
+    grant = h.store.lease([key(1)])
+    loc = grant.locations[0]
+    assert h.store.remove([key(1)]) == 1
+    assert h.store.lookup([key(1)]) == 0
+    assert h.store.used_bytes() == 4 * BLOCK  # slot still held by the lease
+    h.put([5, 6])  # needs room: evicts 2, 3 but never reuses the leased slot
+    assert np.array_equal(h.buffer[loc.offset : loc.offset + BLOCK], payload(1))
+    h.store.release(grant.lease_id)
+    assert h.store.used_bytes() == 3 * BLOCK
+
+
+def test_release_unknown_or_twice_is_lease_expired() -> None:
+    h = Harness()
+    h.put([1])
+    grant = h.store.lease([key(1)])
+    h.store.release(grant.lease_id)
+    with pytest.raises(LeaseExpired):
+        h.store.release(grant.lease_id)
+    with pytest.raises(LeaseExpired):
+        h.store.release(999)
+
+
+def test_expired_lease_is_reclaimed_by_sweep() -> None:
+    h = Harness(slots=4, lease_ttl_ms=100)
+    h.put([1, 2, 3, 4])
+    grant = h.store.lease([key(1), key(2), key(3), key(4)])
+    with pytest.raises(CapacityExhausted):
+        h.put([5])
+    h.clock.advance(99)
+    assert h.store.sweep() == (0, 0)
+    h.clock.advance(1)
+    assert h.store.sweep() == (1, 0)
+    assert h.put([5]) == 1
+    with pytest.raises(LeaseExpired):
+        h.store.release(grant.lease_id)
+
+
+def test_dead_writer_put_is_reclaimed_by_sweep() -> None:
+    h = Harness(put_ttl_ms=50)
+    grant = h.store.put_start(NS, [key(1)], BLOCK)
+    h.clock.advance(50)
+    assert h.store.sweep() == (0, 1)
+    assert h.store.used_bytes() == 0
+    with pytest.raises(NotFound):
+        h.store.put_commit(grant.put_id, [checksum64(payload(1))])
+    assert h.put([1]) == 1
+
+
+def test_hard_pin_is_never_evicted_until_unpinned() -> None:
+    h = Harness(slots=4)
+    h.put([1, 2, 3, 4])
+    assert h.store.pin([key(1), key(2), key(3), key(4), key(99)], None) == 4
+    with pytest.raises(CapacityExhausted):
+        h.put([5])
+    assert h.present() == {1, 2, 3, 4}
+    assert h.store.unpin([key(2)]) == 1
+    assert h.put([5]) == 1
+    assert h.present() == {1, 3, 4, 5}
+
+
+def test_soft_pin_protects_until_its_ttl() -> None:
+    h = Harness(slots=4)
+    h.put([1, 2, 3, 4])
+    assert h.store.pin([key(1), key(2), key(3), key(4)], 1000) == 4
+    with pytest.raises(CapacityExhausted):
+        h.put([5])
+    h.clock.advance(999)
+    with pytest.raises(CapacityExhausted):
+        h.put([5])
+    h.clock.advance(1)
+    assert h.put([5]) == 1
+    assert h.present() == {2, 3, 4, 5}  # LRU: 1 went first
+
+
+def test_capacity_exhausted_loses_nothing_when_nothing_is_evictable() -> None:
+    h = Harness(slots=4)
+    h.put([1, 2, 3, 4])
+    grant = h.store.lease([key(i) for i in (1, 2, 3, 4)])
+    with pytest.raises(CapacityExhausted) as info:
+        h.put([5, 6])
+    assert info.value.hint
+    assert h.present() == {1, 2, 3, 4}
+    assert h.store.used_bytes() == 4 * BLOCK and h.store.summary()["pending_puts"] == 0
+    h.store.release(grant.lease_id)
+    for i in (1, 2, 3, 4):
+        got = h.read(i)
+        assert got is not None and np.array_equal(got, payload(i))
+
+
+def test_put_that_cannot_fit_does_not_evict_anything() -> None:
+    h = Harness(slots=4)
+    h.put([1, 2, 3, 4])
+    h.store.pin([key(1), key(2)], None)
+    with pytest.raises(CapacityExhausted):
+        h.put([5, 6, 7])  # 3 new blocks; at most 2 slots can ever be freed
+    assert h.present() == {1, 2, 3, 4}
+
+
+def test_put_start_does_not_evict_the_blocks_it_reports_present() -> None:
+    h = Harness(slots=8, high_watermark=0.9, low_watermark=0.6)
+    h.put([0])
+    h.put([2, 5, 6, 7])
+    grant = h.store.put_start(NS, [key(0), key(1), key(3), key(4)], BLOCK)
+    assert grant.already_present == [0]
+    assert h.store.lookup([key(0)]) == 1, "block 0 was reported present, then evicted by the same put"
+
+
+def test_watermarks_evict_down_to_low_in_lru_order() -> None:
+    h = Harness(slots=12, high_watermark=0.75, low_watermark=0.5)
+    assert h.store.summary()["capacity_bytes"] == 12 * BLOCK
+    h.put(list(range(9)))  # 9 of 12: exactly at high, no eviction
+    assert h.store.summary()["evictions"] == 0
+    h.read(0)  # touch 0: most recently used
+    h.put([100])  # 10 > 9: evict down to 6 - 1 = 5 blocks, oldest first (1, 2, 3, 4)
+    assert h.present() == {0, 5, 6, 7, 8, 100}
+    assert h.store.summary()["evictions"] == 4
+    removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
+    assert removed == [[key(1)], [key(2)], [key(3)], [key(4)]]
+
+
+def test_batch_limit() -> None:
+    h = Harness(max_batch_blocks=3)
+    with pytest.raises(InvalidArgument, match="split"):
+        h.store.lookup([key(i) for i in range(4)])
+    with pytest.raises(InvalidArgument):
+        h.store.put_start(NS, [key(i) for i in range(4)], BLOCK)
+    assert h.store.used_bytes() == 0
+
+
+def test_buffer_smaller_than_capacity_is_refused() -> None:
+    config = StoreConfig(capacity_bytes=8192, slab_bytes=4096)
+    with pytest.raises(InvalidArgument):
+        HostStore(np.zeros(4096, dtype=np.uint8), config, FakeClock())
+
+
+def test_remove_emits_removed_and_counts() -> None:
+    h = Harness()
+    h.put([1, 2])
+    assert h.store.remove([key(1), key(7)]) == 1
+    assert h.events[-1] == (EventKind.REMOVED, [key(1)], NS)
+    assert h.store.used_bytes() == BLOCK and h.store.summary()["removed"] == 1
+
+
+def test_put_of_another_size_class_that_cannot_fit_evicts_nothing() -> None:
+    config = StoreConfig(capacity_bytes=2 * SLAB, slab_bytes=SLAB, high_watermark=1.0, low_watermark=1.0)
+    buffer = np.zeros(config.capacity_bytes, dtype=np.uint8)
+    store = HostStore(buffer, config, FakeClock())
+
+    def put(ids: list[int], size: int) -> None:
+        grant = store.put_start(NS, [key(i) for i in ids], size)
+        sums = []
+        for index, offset in grant.slots:
+            buffer[offset : offset + size] = ids[index]
+            sums.append(checksum64(buffer[offset : offset + size]))
+        store.put_commit(grant.put_id, sums)
+
+    put([1, 2], SLAB // 4)  # slab 0: two small blocks (half used)
+    put([3, 4], SLAB // 2)  # slab 1: two large blocks (full)
+    store.pin([key(2), key(3), key(4)], None)  # only small block 1 is evictable; evicting it frees no slab
+    assert store.used_bytes() + SLAB // 2 <= config.capacity_bytes  # bytes-wise there is "room"
+    with pytest.raises(CapacityExhausted):
+        put([9], SLAB // 2)  # a large block: needs a whole free slab, and none can be freed
+    assert store.lookup([key(1)]) == 1, "block 1 was evicted by a put that failed anyway"
