@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpool.cli.serve", "run a pool daemon (node + directory on one machine by default)"),
-    "inspect": ("kvpool.cli.inspect", "look inside a running pool: stats, blocks, prefix lookups"),
+    "inspect": ("kvpool.cli.inspect", "look inside a running pool: stats, namespaces, events, blocks"),
     "top": ("kvpool.cli.top", "live view of a pool's stats, refreshed every second"),
     "sim": ("kvpool.cli.sim", "replay a request trace through the scheduler policies (discrete-event)"),
     "router": ("kvpool.cli.router", "run the cache-aware router daemon"),
@@ -49,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:  # output piped into head & co.: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
