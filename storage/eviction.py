@@ -177,3 +177,75 @@ class S3FIFOPolicy:
 
 
 POLICIES["s3fifo"] = S3FIFOPolicy
+
+
+class ARCPolicy:
+    """ARC (Megiddo & Modha, FAST'03): recency list T1 and frequency list T2, each with a
+    ghost list (B1, B2) of recently evicted keys; a hit in a ghost list moves the target
+    size ``p`` of T1 toward whichever list would have kept the block.
+
+    Why: it adapts between recency (LRU-like) and frequency without a tuning knob, so it
+    resists scans like S3-FIFO while tracking LRU where recency is what matters. The cache
+    size ``c`` is taken as the number of resident blocks (the store, not the policy, knows
+    bytes), which equals the capacity in blocks once the tier is full.
+    """
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+        self._p = 0.0
+
+    def on_insert(self, key: bytes) -> None:
+        if key in self._t1 or key in self._t2:
+            self.on_access(key)
+            return
+        c = max(1, len(self._t1) + len(self._t2))
+        if key in self._b1:
+            self._p = min(float(c), self._p + max(len(self._b2) / max(1, len(self._b1)), 1.0))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self._p = max(0.0, self._p - max(len(self._b1) / max(1, len(self._b2)), 1.0))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+        self._trim_ghosts()
+
+    def on_access(self, key: bytes) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def on_remove(self, key: bytes) -> None:
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    def pop_victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        prefer_t1 = bool(self._t1) and (len(self._t1) > self._p or not self._t2)
+        order = ((self._t1, self._b1), (self._t2, self._b2))
+        for resident, ghost in order if prefer_t1 else order[::-1]:
+            for key in resident:
+                if evictable(key):
+                    del resident[key]
+                    ghost[key] = None
+                    self._trim_ghosts()
+                    return key
+        return None
+
+    def _trim_ghosts(self) -> None:
+        c = max(1, len(self._t1) + len(self._t2))
+        while len(self._b1) + len(self._b2) > c:
+            (self._b1 if len(self._b1) > len(self._b2) else self._b2).popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
+POLICIES["arc"] = ARCPolicy

@@ -2,7 +2,9 @@
 
 The daemon calls ``build_node_store`` and uses only the ``HostStore`` interface
 (lookup, lease, release, put_start, put_commit, put_abort, remove, pin, unpin, sweep,
-summary, snapshot_keys), so tiering can grow behind it.
+summary, snapshot_keys), so tiering grows behind it: with a disk directory or a device
+capacity configured it gets a ``TieredStore`` (same methods, plus ``close`` and per-tier
+stats under ``summary()["tiers"]``); otherwise the plain ``HostStore``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from kvpool.core.clock import Clock
 from kvpool.core.config import DaemonConfig
 from kvpool.storage.eviction import make_policy
 from kvpool.storage.host_store import EventSink, HostStore
+from kvpool.storage.tiered_store import TieredStore
 
 
-def build_node_store(config: DaemonConfig, buffer: np.ndarray, clock: Clock, on_event: EventSink | None) -> HostStore:
-    return HostStore(buffer, config.store, clock, policy=make_policy(config.tiers.host_policy), on_event=on_event)
+def build_node_store(
+    config: DaemonConfig, buffer: np.ndarray, clock: Clock, on_event: EventSink | None
+) -> HostStore | TieredStore:
+    tiers = config.tiers
+    if tiers.disk_dir or tiers.device_capacity_bytes > 0:
+        return TieredStore(buffer, config.store, tiers, clock, on_event=on_event)
+    return HostStore(buffer, config.store, clock, policy=make_policy(tiers.host_policy), on_event=on_event)

@@ -1,0 +1,508 @@
+"""One node's store over its tiers: device (HBM, optional) -> host (shared-memory arena)
+-> disk (NVMe, optional), presenting exactly the ``HostStore`` method set so the daemon
+uses it unchanged.
+
+Why the host tier stays in charge: clients read and write blocks through the mapped host
+arena, so every lease is a lease on host slots. The other tiers sit around it:
+- a host miss that another tier holds is *promoted* (disk or device -> host: read, checksum
+  verified, written into a host slot through a normal two-phase put, committed) and then
+  leased, so the client path never changes;
+- a host eviction *demotes* the block to disk: the ``on_evict`` hook hands over the bytes
+  before the slot is freed, they are copied into the disk tier's bounded write-behind queue
+  and written by its writer thread (a full queue drops the demotion and counts it rather
+  than stall the host under its lock);
+- ``disk_admission="second-hit"`` keeps one-hit blocks off the disk: a block evicted from
+  host without any read hit is only remembered (a bounded ghost set) the first time;
+- blocks hit repeatedly on host are copied to the device tier (when configured); device
+  evictions of blocks no other tier holds are demoted back to host.
+
+KV events keep the directory's view right: a block demoted to disk is still on this node,
+so its host REMOVED event is suppressed; a promotion's host STORED event is suppressed too;
+REMOVED is sent when the block leaves the node's last tier.
+
+A disk or device tier that cannot start (unwritable dir, other hash scheme, no CUDA) is
+logged with its hint and reported in ``summary()["tiers"]``; the store keeps serving from
+the tiers it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool.core.checksum import checksum64
+from kvpool.core.clock import Clock
+from kvpool.core.config import StoreConfig, TierConfig
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, LeaseExpired, StorageFault
+from kvpool.core.events import EventKind
+from kvpool.storage.device_tier import DeviceTier
+from kvpool.storage.disk_tier import DiskBlock, DiskTier
+from kvpool.storage.eviction import make_policy
+from kvpool.storage.host_store import (
+    CommitResult,
+    Entry,
+    EventSink,
+    HostStore,
+    LeaseGrant,
+    PutGrant,
+)
+
+log = logging.getLogger(__name__)
+
+#: host hits after which a block is copied up to the device tier
+DEVICE_PROMOTE_AFTER_HITS = 2
+
+
+@dataclass
+class HostTierStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0  # committed puts + promotions into the host arena
+    bytes_out: int = 0  # bytes of blocks leased to readers
+    promotions: int = 0  # blocks promoted into host from a lower/other tier (by a lease or a pin)
+    lower_hits: int = 0  # host misses that a lease served after promoting them
+    promotion_failures: int = 0  # promotions that found no host room
+    demotions: int = 0  # host evictions handed to the disk queue
+    demotion_drops: int = 0  # evictions that could not be demoted (queue full / tier down)
+    admission_skips: int = 0  # evictions kept off disk by second-hit admission
+    checksum_failures: int = 0  # host bytes that failed their checksum on the way down
+
+
+class TieredStore:
+    """Host + optional disk + optional device tiers, with the ``HostStore`` interface."""
+
+    GHOST_KEYS = 65_536  # second-hit admission memory, in keys
+
+    def __init__(
+        self,
+        buffer: np.ndarray,
+        config: StoreConfig,
+        tiers: TierConfig,
+        clock: Clock,
+        *,
+        on_event: EventSink | None = None,
+        device_allow_cpu: bool = False,
+        disk_direct_io: bool | None = None,
+    ) -> None:
+        self.config = config
+        self.tier_config = tiers
+        self._buffer = buffer
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._suppress_removed: set[bytes] = set()
+        self._suppress_stored: set[bytes] = set()
+        self._host_hits: dict[bytes, int] = {}
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._device_demoted: list[tuple[bytes, bytes, int, np.ndarray]] = []
+        self.host_stats = HostTierStats()
+        # per-block host hit counts feed second-hit admission and device promotion only
+        self._count_hits = tiers.disk_admission == "second-hit" or tiers.device_capacity_bytes > 0
+        self.disk: DiskTier | None = None
+        self.disk_fault = ""
+        self.device: DeviceTier | None = None
+        self.device_fault = ""
+        if tiers.disk_dir:
+            try:
+                self.disk = DiskTier(
+                    tiers.disk_dir,
+                    tiers.disk_capacity_bytes,
+                    tiers.disk_slab_file_bytes,
+                    policy=tiers.disk_policy,
+                    io_threads=tiers.disk_io_threads,
+                    queue_blocks=tiers.write_behind_queue_blocks,
+                    direct_io=disk_direct_io,
+                    on_evict=self._on_lower_tier_dropped,
+                    background_recovery=True,  # serve the first hits while the index loads
+                )
+            except StorageFault as exc:
+                self.disk_fault = str(exc)
+                log.error("disk tier disabled, serving from the other tiers: %s", exc)
+        if tiers.device_capacity_bytes > 0:
+            try:
+                self.device = DeviceTier(
+                    tiers.device_capacity_bytes,
+                    config.slab_bytes,
+                    device=tiers.device,
+                    policy=tiers.device_policy,
+                    allow_cpu=device_allow_cpu,
+                    on_evict=self._on_device_evict,
+                )
+            except KVPoolError as exc:
+                self.device_fault = str(exc)
+                log.error("device tier disabled, serving from the other tiers: %s", exc)
+            if self.device is not None and not self.device.pin_host(buffer) and tiers.device.startswith("cuda"):
+                log.warning("could not page-lock the host arena (cudaHostRegister); copies to HBM will be slower")
+        self.host = HostStore(
+            buffer,
+            config,
+            clock,
+            policy=make_policy(tiers.host_policy),
+            on_event=self._on_host_event,
+            on_evict=self._on_host_evict,
+        )
+
+    # -- reads ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Longest prefix present in any tier (does not lease or promote)."""
+        n = self.host.lookup(keys)
+        while n < len(keys) and self._lower_has(keys[n]):
+            n += 1
+        return n
+
+    def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
+        """Lease the leading present keys, promoting host misses held by another tier first."""
+        grant = self.host.lease(keys)
+        n_host = len(grant.locations)
+        promoted_keys: set[bytes] = set()
+        if n_host < len(keys) and (self.disk is not None or self.device is not None):
+            promoted, promoted_keys = self._promote(list(keys[n_host:]))
+            if promoted:
+                wider = self.host.lease(keys)
+                if grant.lease_id:
+                    try:
+                        self.host.release(grant.lease_id)
+                    except LeaseExpired:
+                        pass
+                grant = wider
+        self._after_lease(keys, grant, promoted_keys)
+        self._drain_device_demotions()
+        return grant
+
+    def release(self, lease_id: int) -> None:
+        self.host.release(lease_id)
+
+    # -- writes --------------------------------------------------------------------------
+    def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
+        """Reserve host slots for keys no tier holds; keys only a lower tier holds are
+        reported ``already_present`` (a lease will promote them)."""
+        if self.disk is None and self.device is None:
+            return self.host.put_start(namespace, keys, block_bytes)
+        if len(keys) > self.config.max_batch_blocks:
+            raise InvalidArgument(
+                f"{len(keys)} blocks in one call; the limit is {self.config.max_batch_blocks}", hint="split the batch"
+            )
+        on_disk = self.disk.present(keys) if self.disk is not None else [False] * len(keys)
+        below = [
+            i
+            for i, key in enumerate(keys)
+            if (on_disk[i] or (self.device is not None and self.device.contains(key))) and self.host.entry(key) is None
+        ]
+        if not below:
+            grant = self.host.put_start(namespace, keys, block_bytes)
+        else:
+            skip = set(below)
+            rest = [i for i in range(len(keys)) if i not in skip]
+            inner = self.host.put_start(namespace, [keys[i] for i in rest], block_bytes)
+            grant = PutGrant(
+                inner.put_id,
+                [(rest[j], off) for j, off in inner.slots],
+                sorted([rest[j] for j in inner.already_present] + below),
+                [rest[j] for j in inner.in_flight],
+            )
+        self._drain_device_demotions()
+        return grant
+
+    def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
+        result = self.host.put_commit(put_id, checksums)
+        return result
+
+    def put_abort(self, put_id: int) -> None:
+        self.host.put_abort(put_id)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks from every tier."""
+        in_host = {key for key in keys if self.host.entry(key) is not None}
+        self.host.remove(keys)
+        unique = list(dict.fromkeys(keys))
+        below: set[bytes] = set()
+        if self.device is not None:
+            below.update(key for key in unique if self.device.remove(key))
+        if self.disk is not None:
+            below.update(self.disk.remove(unique))
+        below_only = [key for key in unique if key in below and key not in in_host]
+        with self._lock:
+            for key in keys:
+                self._host_hits.pop(key, None)
+        if below_only:
+            self._emit(EventKind.REMOVED, below_only, b"")
+        return len(in_host) + len(below_only)
+
+    def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
+        """Pins hold host blocks (pinned blocks are the ones worth keeping in DRAM): a block
+        that only a lower tier holds is promoted first, so pinning a demoted system prompt
+        brings it back."""
+        if self.disk is not None or self.device is not None:
+            missing = [key for key in keys if self.host.entry(key) is None and self._lower_has(key)]
+            i = 0
+            while i < len(missing):
+                if self.host.entry(missing[i]) is None:
+                    i += max(1, self._promote(missing[i:])[0])
+                else:
+                    i += 1
+        return self.host.pin(keys, ttl_ms)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self.host.unpin(keys)
+
+    # -- upkeep --------------------------------------------------------------------------
+    def sweep(self) -> tuple[int, int]:
+        return self.host.sweep()
+
+    def snapshot_keys(self) -> list[bytes]:
+        keys = dict.fromkeys(self.host.snapshot_keys())
+        if self.disk is not None:
+            keys.update(dict.fromkeys(self.disk.keys()))
+        return list(keys)
+
+    def entry(self, key: bytes) -> Entry | None:
+        """The host entry; for a block only a lower tier holds, a detached ``Entry`` with
+        ``offset == -1`` (namespace, size and checksum are right; it has no arena slot)."""
+        found = self.host.entry(key)
+        if found is not None or self.disk is None:
+            return found
+        meta = self.disk.meta(key)
+        if meta is None:
+            return None
+        namespace, size, checksum = meta
+        return Entry(key, -1, size, checksum, namespace)
+
+    def used_bytes(self) -> int:
+        return self.host.used_bytes()
+
+    @property
+    def stats(self) -> Any:
+        return self.host.stats
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the disk write-behind queue to drain (tests, benchmarks, shutdown)."""
+        return self.disk.flush(timeout_s) if self.disk is not None else True
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        if self.device is not None:
+            self.device.close()
+
+    def summary(self) -> dict[str, Any]:
+        """The host store's keys (hits/misses now count every tier) plus ``tiers``."""
+        out: dict[str, Any] = dict(self.host.summary())
+        with self._lock:
+            h = self.host_stats
+            host = {
+                "capacity_bytes": out["capacity_bytes"],
+                "used_bytes": out["used_bytes"],
+                "blocks": out["blocks"],
+                "hits": h.hits,
+                "misses": h.misses,
+                "bytes_in": h.bytes_in + out["put_bytes"],
+                "bytes_out": h.bytes_out,
+                "promotions": h.promotions,
+                "lower_hits": h.lower_hits,
+                "promotion_failures": h.promotion_failures,
+                "demotions": h.demotions,
+                "demotion_drops": h.demotion_drops,
+                "admission_skips": h.admission_skips,
+                "evictions": out["evictions"],
+                "checksum_failures": out["checksum_failures"] + h.checksum_failures,
+            }
+        tiers: dict[str, Any] = {"host": host}
+        if self.disk is not None:
+            tiers["disk"] = {"enabled": True, **self.disk.summary()}
+        else:
+            tiers["disk"] = {"enabled": False, "fault": self.disk_fault}
+        if self.device is not None:
+            tiers["device"] = {"enabled": True, **self.device.summary()}
+        else:
+            tiers["device"] = {"enabled": False, "fault": self.device_fault}
+        out["tiers"] = tiers
+        out["hits"] = host["hits"] + host["lower_hits"]  # blocks served through leases, any tier
+        out["misses"] = host["misses"] - host["lower_hits"]  # asked for and not served by any tier
+        return out
+
+    # -- promotion -------------------------------------------------------------------------
+    def _lower_has(self, key: bytes) -> bool:
+        return (self.device is not None and self.device.contains(key)) or (
+            self.disk is not None and self.disk.contains(key)
+        )
+
+    def _promote(self, keys: list[bytes]) -> tuple[int, set[bytes]]:
+        """Bring the leading run of ``keys`` held by the device or disk tier into host.
+        Returns (how many leading keys are now in host, the keys this call committed)."""
+        run: list[bytes] = []
+        for key in keys:
+            if not self._lower_has(key):
+                break
+            run.append(key)
+        if not run:
+            return 0, set()
+        blocks: list[DiskBlock | None] = [None] * len(run)
+        from_disk: list[int] = []
+        for i, key in enumerate(run):
+            got = self.device.get(key) if self.device is not None and self.device.contains(key) else None
+            if got is not None:
+                namespace, checksum, data = got
+                blocks[i] = DiskBlock(key, namespace, checksum, data)
+            else:
+                from_disk.append(i)
+        if from_disk and self.disk is not None:
+            got = self.disk.read_many([run[i] for i in from_disk])
+            for i, block in zip(from_disk, got, strict=True):
+                blocks[i] = block
+        # leading run of verified blocks of one namespace and size (one host put)
+        good: list[DiskBlock] = []
+        for block in blocks:
+            if block is None:
+                break
+            if good and (block.namespace != good[0].namespace or block.data.size != good[0].data.size):
+                break
+            if checksum64(block.data) != block.checksum:  # assert right before it is written
+                with self._lock:
+                    self.host_stats.checksum_failures += 1
+                break
+            good.append(block)
+        if not good:
+            return 0, set()
+        size = int(good[0].data.size)
+        with self._lock:
+            self._suppress_stored.update(b.key for b in good)
+        try:
+            grant = self.host.put_start(good[0].namespace, [b.key for b in good], size)
+        except CapacityExhausted:
+            with self._lock:
+                self._suppress_stored.difference_update(b.key for b in good)
+                self.host_stats.promotion_failures += len(good)
+            return 0, set()
+        checksums: list[int] = []
+        for index, offset in grant.slots:
+            self._buffer[offset : offset + size] = good[index].data
+            checksums.append(good[index].checksum)
+        committed = 0
+        if grant.put_id:
+            committed = self.host.put_commit(grant.put_id, checksums).committed
+        with self._lock:
+            self._suppress_stored.difference_update(b.key for b in good)
+            self.host_stats.promotions += committed
+            self.host_stats.bytes_in += committed * size
+        written = {good[index].key for index, _ in grant.slots}
+        if committed < len(written):
+            written = {key for key in written if self.host.entry(key) is not None}
+        return committed + len(grant.already_present), written
+
+    def _after_lease(self, keys: Sequence[bytes], grant: LeaseGrant, promoted: set[bytes]) -> None:
+        served = len(grant.locations)
+        lower = sum(1 for key in keys[:served] if key in promoted) if promoted else 0
+        hot: list[tuple[bytes, int]] = []
+        with self._lock:
+            h = self.host_stats
+            h.hits += served - lower  # served from host directly
+            h.misses += len(keys) - (served - lower)  # includes what a lower tier then served
+            h.lower_hits += lower
+            h.bytes_out += sum(loc.size for loc in grant.locations)
+            if not self._count_hits:
+                return
+            for key in keys[:served]:
+                count = self._host_hits.get(key, 0) + 1
+                self._host_hits[key] = count
+                if self.device is not None and count == DEVICE_PROMOTE_AFTER_HITS:
+                    hot.append((key, served))
+        if self.device is not None:
+            for key, _ in hot:
+                entry = self.host.entry(key)
+                if entry is None or self.device.contains(key):
+                    continue
+                # the block is leased by this grant, so its slot cannot change under the copy
+                data = self._buffer[entry.offset : entry.offset + entry.size]
+                if checksum64(data) == entry.checksum:
+                    self.device.put(key, entry.namespace, data, entry.checksum)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _on_host_evict(self, entry: Entry, data: np.ndarray) -> None:
+        """Called under the host lock, before the slot is freed: copy the bytes down."""
+        key = entry.key
+        with self._lock:
+            hits = self._host_hits.pop(key, 0)
+        if self.device is not None and self.device.contains(key):
+            with self._lock:
+                self._suppress_removed.add(key)  # still on the node, in HBM
+        if self.disk is None:
+            return
+        if self.disk.contains(key):
+            with self._lock:
+                self._suppress_removed.add(key)
+            return
+        with self._lock:
+            if self.tier_config.disk_admission == "second-hit" and hits == 0 and key not in self._ghost:
+                self._ghost[key] = None
+                while len(self._ghost) > self.GHOST_KEYS:
+                    self._ghost.popitem(last=False)
+                self.host_stats.admission_skips += 1
+                return
+            self._ghost.pop(key, None)
+        if checksum64(data) != entry.checksum:
+            with self._lock:
+                self.host_stats.checksum_failures += 1
+            log.error("host block %s failed its checksum on eviction; not demoted", key.hex())
+            return
+        if self.disk.enqueue(key, entry.namespace, data, entry.checksum):
+            with self._lock:
+                self.host_stats.demotions += 1
+                self._suppress_removed.add(key)
+        else:
+            with self._lock:
+                self.host_stats.demotion_drops += 1
+
+    def _on_host_event(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+        with self._lock:
+            if kind is EventKind.REMOVED and self._suppress_removed:
+                kept = [k for k in keys if k not in self._suppress_removed]
+                self._suppress_removed.difference_update(keys)
+                keys = kept
+            elif kind is EventKind.STORED and self._suppress_stored:
+                keys = [k for k in keys if k not in self._suppress_stored]
+        if keys:
+            self._emit(kind, keys, namespace)
+
+    def _on_lower_tier_dropped(self, keys: list[bytes]) -> None:
+        """The disk tier evicted or dropped blocks: gone from the node unless another tier has them."""
+        gone = [k for k in keys if self.host.entry(k) is None and (self.device is None or not self.device.contains(k))]
+        if gone:
+            self._emit(EventKind.REMOVED, gone, b"")
+
+    def _on_device_evict(self, key: bytes, namespace: bytes, checksum: int, data: np.ndarray) -> None:
+        """Called under the device lock: queue the block for host if no other tier has it."""
+        with self._lock:
+            self._device_demoted.append((key, namespace, checksum, data))
+
+    def _drain_device_demotions(self) -> None:
+        if self.device is None:
+            return
+        with self._lock:
+            pending, self._device_demoted = self._device_demoted, []
+        for key, namespace, checksum, data in pending:
+            if self.host.entry(key) is not None or (self.disk is not None and self.disk.contains(key)):
+                continue
+            if checksum64(data) != checksum:
+                continue
+            try:
+                grant = self.host.put_start(namespace, [key], int(data.size))
+            except KVPoolError:
+                self._emit(EventKind.REMOVED, [key], namespace)
+                continue
+            with self._lock:
+                self._suppress_stored.add(key)
+            for _, offset in grant.slots:
+                self._buffer[offset : offset + data.size] = data
+            if grant.put_id:
+                self.host.put_commit(grant.put_id, [checksum])
+            with self._lock:
+                self._suppress_stored.discard(key)
+
+    def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, keys, namespace)
