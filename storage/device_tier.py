@@ -22,7 +22,7 @@ import numpy as np
 
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument, StorageFault
-from kvpool.storage.allocator import SlabAllocator
+from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, make_policy
 
 #: called with (key, namespace, checksum, bytes copied to host) for each evicted block
@@ -66,6 +66,8 @@ class DeviceTier:
         policy: str = "lru",
         allow_cpu: bool = False,
         on_evict: DeviceDemoteHook | None = None,
+        high_watermark: float = 1.0,
+        low_watermark: float = 1.0,
     ) -> None:
         import torch  # heavy import only where a device tier is configured
 
@@ -79,6 +81,12 @@ class DeviceTier:
                 "a device tier was configured but CUDA is not available",
                 hint="set --device-capacity-bytes 0 on a machine without a GPU",
             )
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise InvalidArgument(
+                f"device watermarks must satisfy 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1"
+            )
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
         self._torch = torch
         self.device = torch.device(device)
         self._alloc = SlabAllocator(capacity_bytes, slab_bytes)
@@ -112,6 +120,7 @@ class DeviceTier:
                 return True
             size = int(data.size)
             self._alloc.check_block_bytes(size)
+            self._evict_to_low_watermark(slot_size_for(size))
             offset = self._alloc.alloc(size)
             while offset is None:
                 if not self._evict_one():
@@ -195,6 +204,8 @@ class DeviceTier:
                 "device": str(self.device),
                 "policy": self._policy_name,
                 "capacity_bytes": self.capacity_bytes,
+                "high_watermark": self.high_watermark,
+                "low_watermark": self.low_watermark,
                 "used_bytes": self._alloc.used_bytes,
                 "blocks": len(self._index),
                 "hits": s.hits,
@@ -217,6 +228,18 @@ class DeviceTier:
     def _drop(self, entry: _DeviceEntry) -> None:
         del self._index[entry.key]
         self._alloc.free(entry.offset)
+
+    def _evict_to_low_watermark(self, need_bytes: int) -> None:
+        """A copy that would take the arena above the high watermark first evicts (demotes)
+        blocks by policy until, with the new block, usage is at most the low watermark: one
+        burst of evictions per (high - low) of capacity, instead of one eviction on every
+        copy once the arena is full. 1.0 / 1.0 evicts only when a copy finds no room."""
+        capacity = self.capacity_bytes
+        if self._alloc.used_bytes + need_bytes <= self.high_watermark * capacity:
+            return
+        target = self.low_watermark * capacity - need_bytes
+        while self._alloc.used_bytes > target and self._evict_one():
+            pass
 
     def _evict_one(self) -> bool:
         key = self._policy.pop_victim(lambda k: k in self._index)

@@ -413,7 +413,13 @@ class DiskTier:
         on_evict: EvictSink | None = None,
         start_writer: bool = True,
         background_recovery: bool = False,
+        high_watermark: float = 1.0,
+        low_watermark: float = 1.0,
     ) -> None:
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise InvalidArgument(
+                f"disk watermarks must satisfy 0 < low ({low_watermark}) <= high ({high_watermark}) <= 1"
+            )
         if slab_file_bytes % IO_ALIGN_BYTES or slab_file_bytes <= FILE_HEADER_BYTES:
             raise InvalidArgument(
                 f"disk slab_file_bytes {slab_file_bytes} must be a multiple of {IO_ALIGN_BYTES} above one page",
@@ -428,6 +434,8 @@ class DiskTier:
         self.directory = pathlib.Path(directory)
         self.slab_file_bytes = slab_file_bytes
         self.capacity_bytes = num_files * slab_file_bytes
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
         self.scheme = scheme
         self._scheme_raw = _scheme_bytes(scheme)
         self._policy_name = policy
@@ -1104,6 +1112,7 @@ class DiskTier:
         """A free slot, evicting by policy when the tier is full (never a block being read)."""
         if slot_bytes > self.slab_file_bytes - FILE_HEADER_BYTES:
             return None
+        self._evict_to_low_watermark(slot_bytes, victims)
         while True:
             classes_before = self._slots.file_class[:]
             where = self._slots.alloc(slot_bytes, self._may_open_file)
@@ -1112,17 +1121,35 @@ class DiskTier:
                 if classes_before[f] != slot_bytes:
                     new_files.append((f, slot_bytes))
                 return where
-            key = self._policy.pop_victim(self._evictable)
-            if key is None:
+            if not self._evict_one(victims):
                 return None
-            victim = self._index.pop(key)
-            self._unown(victim)
-            victims.append(victim)
-            self.stats.evictions += 1
-            # Reusing the slot in this batch is safe: the batch commits the victims' index
-            # deletes (synced) before any of its writes start, so no committed entry ever
-            # points at bytes being overwritten.
-            self._slots.free(victim.file, victim.offset)
+
+    def _evict_to_low_watermark(self, slot_bytes: int, victims: list[DiskEntry]) -> None:
+        """A write that would take the tier above the high watermark (of the capacity it can
+        use: ENOSPC may have stopped it short) first evicts by policy until, with the new
+        block, usage is at most the low watermark. The victims join the batch's durable index
+        deletes like any other eviction; 1.0 / 1.0 evicts only when no slot is free."""
+        capacity = self._file_limit * self.slab_file_bytes
+        if self._slots.used_bytes + slot_bytes <= self.high_watermark * capacity:
+            return
+        target = self.low_watermark * capacity - slot_bytes
+        while self._slots.used_bytes > target and self._evict_one(victims):
+            pass
+
+    def _evict_one(self, victims: list[DiskEntry]) -> bool:
+        """Evict one committed block by policy (never one being read); False if none can go."""
+        key = self._policy.pop_victim(self._evictable)
+        if key is None:
+            return False
+        victim = self._index.pop(key)
+        self._unown(victim)
+        victims.append(victim)
+        self.stats.evictions += 1
+        # Reusing the slot in this batch is safe: the batch commits the victims' index
+        # deletes (synced) before any of its writes start, so no committed entry ever
+        # points at bytes being overwritten.
+        self._slots.free(victim.file, victim.offset)
+        return True
 
     def _evictable(self, key: bytes) -> bool:
         entry = self._index.get(key)
@@ -1293,6 +1320,8 @@ class DiskTier:
                 "policy": self._policy_name,
                 "capacity_bytes": self.capacity_bytes,
                 "usable_capacity_bytes": self._file_limit * self.slab_file_bytes,
+                "high_watermark": self.high_watermark,
+                "low_watermark": self.low_watermark,
                 "used_bytes": self._slots.used_bytes,
                 "blocks": len(self._index),
                 "queued_blocks": len(self._queued),

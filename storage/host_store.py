@@ -22,6 +22,7 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -33,7 +34,16 @@ from kvpool.core.events import EventKind
 from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 
-EventSink = Callable[[EventKind, list[bytes], bytes], None]
+
+class EventSink(Protocol):
+    """Receives a store's KV events: ``kind`` for ``keys`` of ``namespace``, and ``tier``,
+    the tier where the blocks now live ("host", "disk" or "device"). A ``HostStore`` knows
+    only its own tier and leaves ``tier`` out (so a 3-argument callable still works there);
+    a ``TieredStore`` always names it (docs/tiers.md: which events a block's moves send)."""
+
+    def __call__(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", /) -> None: ...
+
+
 #: called with an evicted entry and a view of its bytes before its slot is freed (demotion)
 DemoteHook = Callable[["Entry", np.ndarray], None]
 

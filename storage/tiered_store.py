@@ -16,9 +16,11 @@ arena, so every lease is a lease on host slots. The other tiers sit around it:
 - blocks hit repeatedly on host are copied to the device tier (when configured); device
   evictions of blocks no other tier holds are demoted back to host.
 
-KV events keep the directory's view right: a block demoted to disk is still on this node,
-so its host REMOVED event is suppressed; a promotion's host STORED event is suppressed too;
-REMOVED is sent when the block leaves the node's last tier.
+KV events keep the directory's view right and name the tier where a block now lives (its
+fastest copy, in the directory's read order host, device, disk): a block that leaves host
+but stays on the node (demoted to disk, or still in HBM) sends STORED with tier "disk" /
+"device" instead of the host's REMOVED; a promotion back sends STORED "host"; REMOVED is
+sent only when the block leaves the node's last tier.
 
 A disk or device tier that cannot start (unwritable dir, other hash scheme, no CUDA) is
 logged with its hint and reported in ``summary()["tiers"]``; the store keeps serving from
@@ -95,8 +97,8 @@ class TieredStore:
         self._buffer = buffer
         self._on_event = on_event
         self._lock = threading.Lock()
-        self._suppress_removed: set[bytes] = set()
-        self._suppress_stored: set[bytes] = set()
+        # host evictions of blocks that stay on the node -> the tier they now live in
+        self._moved_to: dict[bytes, str] = {}
         self._host_hits: dict[bytes, int] = {}
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._device_demoted: list[tuple[bytes, bytes, int, np.ndarray]] = []
@@ -119,6 +121,8 @@ class TieredStore:
                     direct_io=disk_direct_io,
                     on_evict=self._on_lower_tier_dropped,
                     background_recovery=True,  # serve the first hits while the index loads
+                    high_watermark=tiers.disk_high_watermark,
+                    low_watermark=tiers.disk_low_watermark,
                 )
             except StorageFault as exc:
                 self.disk_fault = str(exc)
@@ -132,6 +136,8 @@ class TieredStore:
                     policy=tiers.device_policy,
                     allow_cpu=device_allow_cpu,
                     on_evict=self._on_device_evict,
+                    high_watermark=tiers.device_high_watermark,
+                    low_watermark=tiers.device_low_watermark,
                 )
             except KVPoolError as exc:
                 self.device_fault = str(exc)
@@ -369,13 +375,11 @@ class TieredStore:
         if not good:
             return 0, set()
         size = int(good[0].data.size)
-        with self._lock:
-            self._suppress_stored.update(b.key for b in good)
         try:
+            # the host's STORED event (tier "host") tells subscribers the block moved up
             grant = self.host.put_start(good[0].namespace, [b.key for b in good], size)
         except CapacityExhausted:
             with self._lock:
-                self._suppress_stored.difference_update(b.key for b in good)
                 self.host_stats.promotion_failures += len(good)
             return 0, set()
         checksums: list[int] = []
@@ -386,7 +390,6 @@ class TieredStore:
         if grant.put_id:
             committed = self.host.put_commit(grant.put_id, checksums).committed
         with self._lock:
-            self._suppress_stored.difference_update(b.key for b in good)
             self.host_stats.promotions += committed
             self.host_stats.bytes_in += committed * size
         written = {good[index].key for index, _ in grant.slots}
@@ -429,12 +432,12 @@ class TieredStore:
             hits = self._host_hits.pop(key, 0)
         if self.device is not None and self.device.contains(key):
             with self._lock:
-                self._suppress_removed.add(key)  # still on the node, in HBM
+                self._moved_to[key] = "device"  # still on the node, in HBM (read before disk)
         if self.disk is None:
             return
         if self.disk.contains(key):
             with self._lock:
-                self._suppress_removed.add(key)
+                self._moved_to.setdefault(key, "disk")
             return
         with self._lock:
             if self.tier_config.disk_admission == "second-hit" and hits == 0 and key not in self._ghost:
@@ -452,21 +455,29 @@ class TieredStore:
         if self.disk.enqueue(key, entry.namespace, data, entry.checksum):
             with self._lock:
                 self.host_stats.demotions += 1
-                self._suppress_removed.add(key)
+                self._moved_to.setdefault(key, "disk")
         else:
             with self._lock:
                 self.host_stats.demotion_drops += 1
 
-    def _on_host_event(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+    def _on_host_event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
+        """The host's events, with its REMOVED of a block that stays on the node turned into
+        STORED naming the tier it now lives in (the eviction hook ran just before)."""
+        moved: dict[str, list[bytes]] = {}
         with self._lock:
-            if kind is EventKind.REMOVED and self._suppress_removed:
-                kept = [k for k in keys if k not in self._suppress_removed]
-                self._suppress_removed.difference_update(keys)
+            if kind is EventKind.REMOVED and self._moved_to:
+                kept = []
+                for key in keys:
+                    to = self._moved_to.pop(key, None)
+                    if to is None:
+                        kept.append(key)
+                    else:
+                        moved.setdefault(to, []).append(key)
                 keys = kept
-            elif kind is EventKind.STORED and self._suppress_stored:
-                keys = [k for k in keys if k not in self._suppress_stored]
         if keys:
-            self._emit(kind, keys, namespace)
+            self._emit(kind, keys, namespace, tier)
+        for to, moved_keys in moved.items():
+            self._emit(EventKind.STORED, moved_keys, namespace, to)
 
     def _on_lower_tier_dropped(self, keys: list[bytes]) -> None:
         """The disk tier evicted or dropped blocks: gone from the node unless another tier has them."""
@@ -485,24 +496,24 @@ class TieredStore:
         with self._lock:
             pending, self._device_demoted = self._device_demoted, []
         for key, namespace, checksum, data in pending:
-            if self.host.entry(key) is not None or (self.disk is not None and self.disk.contains(key)):
+            if self.host.entry(key) is not None or self.device.contains(key):
+                continue  # the last event already named a faster tier
+            if self.disk is not None and self.disk.contains(key):
+                self._emit(EventKind.STORED, [key], namespace, "disk")  # only the disk copy is left
                 continue
             if checksum64(data) != checksum:
+                self._emit(EventKind.REMOVED, [key], namespace)
                 continue
             try:
                 grant = self.host.put_start(namespace, [key], int(data.size))
             except KVPoolError:
                 self._emit(EventKind.REMOVED, [key], namespace)
                 continue
-            with self._lock:
-                self._suppress_stored.add(key)
             for _, offset in grant.slots:
                 self._buffer[offset : offset + data.size] = data
-            if grant.put_id:
+            if grant.put_id:  # the host's STORED event (tier "host") reports the move
                 self.host.put_commit(grant.put_id, [checksum])
-            with self._lock:
-                self._suppress_stored.discard(key)
 
-    def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+    def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
         if self._on_event is not None:
-            self._on_event(kind, keys, namespace)
+            self._on_event(kind, keys, namespace, tier)

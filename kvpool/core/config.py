@@ -52,14 +52,25 @@ class TierConfig:
     disk_capacity_bytes: int = 16 * GiB
     disk_slab_file_bytes: int = 1 * GiB  # each preallocated slab file
     disk_policy: str = "lru"
+    disk_high_watermark: float = 0.95  # a write that would take the disk above this fraction...
+    disk_low_watermark: float = 0.85  # ...first evicts it down to this fraction (by disk_policy)
     disk_admission: str = "all"  # "all" | "second-hit": skip one-hit blocks on disk
     disk_io_threads: int = 4
     write_behind_queue_blocks: int = 1024  # bounded host -> disk queue
     device_capacity_bytes: int = 0
     device: str = "cuda"  # "cuda", or "cpu" only behind the test switch
     device_policy: str = "lru"
+    device_high_watermark: float = 0.95  # as the disk's, for the device (HBM) arena
+    device_low_watermark: float = 0.85
 
     def __post_init__(self) -> None:
+        for tier in ("disk", "device"):
+            low, high = getattr(self, f"{tier}_low_watermark"), getattr(self, f"{tier}_high_watermark")
+            if not 0.0 < low <= high <= 1.0:
+                raise InvalidArgument(
+                    f"{tier} watermarks must satisfy 0 < low ({low}) <= high ({high}) <= 1",
+                    hint=f"e.g. --{tier}-high-watermark 0.95 --{tier}-low-watermark 0.85",
+                )
         if self.disk_admission not in ("all", "second-hit"):
             raise InvalidArgument(f"disk_admission {self.disk_admission!r} is not 'all' or 'second-hit'")
         for name in ("disk_capacity_bytes", "disk_slab_file_bytes", "disk_io_threads", "write_behind_queue_blocks"):

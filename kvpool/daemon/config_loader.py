@@ -130,6 +130,18 @@ OPTIONS: list[Option] = [
     ),
     Option("--disk-policy", "tiers.disk_policy", str, "eviction policy of the disk tier. Default lru."),
     Option(
+        "--disk-high-watermark",
+        "tiers.disk_high_watermark",
+        float,
+        "a disk write that would take usage above this fraction of the disk capacity first evicts. Default 0.95.",
+    ),
+    Option(
+        "--disk-low-watermark",
+        "tiers.disk_low_watermark",
+        float,
+        "...evicting down to this fraction (by --disk-policy). Default 0.85.",
+    ),
+    Option(
         "--disk-admission",
         "tiers.disk_admission",
         str,
@@ -147,6 +159,18 @@ OPTIONS: list[Option] = [
         "tiers.device_capacity_bytes",
         parse_bytes,
         "device (HBM) tier capacity; 0 = none. Default 0.",
+    ),
+    Option(
+        "--device-high-watermark",
+        "tiers.device_high_watermark",
+        float,
+        "a copy to HBM that would take usage above this fraction of the device capacity first evicts. Default 0.95.",
+    ),
+    Option(
+        "--device-low-watermark",
+        "tiers.device_low_watermark",
+        float,
+        "...evicting (demoting) down to this fraction. Default 0.85.",
     ),
     Option("--grpc-workers", "grpc_workers", int, "threads serving control-plane calls. Default 8."),
     Option("--max-message-bytes", "max_message_bytes", parse_bytes, "largest gRPC message. Default 64MiB."),

@@ -27,11 +27,15 @@ class EventLog:
         with self._cond:
             return self._last_seq
 
-    def append(self, kind: EventKind, hashes: list[bytes], namespace: bytes, block_tokens: int = 0) -> int:
+    def append(
+        self, kind: EventKind, hashes: list[bytes], namespace: bytes, block_tokens: int = 0, tier: str = "host"
+    ) -> int:
+        """Number and keep one event. ``tier`` is where the blocks now live ("host", "disk",
+        "device"): a tiered store reports a block demoted to disk as STORED on "disk"."""
         with self._cond:
             self._last_seq += 1
             self._events.append(
-                KVEvent(self.node_id, self._last_seq, kind, tuple(hashes), "host", namespace, b"", block_tokens)
+                KVEvent(self.node_id, self._last_seq, kind, tuple(hashes), tier, namespace, b"", block_tokens)
             )
             self._cond.notify_all()
             return self._last_seq

@@ -41,9 +41,9 @@ class PoolNode:
         self.store = build_node_store(config, self.arena.view, clock, self._on_event)
         log.info("node %s: arena %s (%d bytes)", self.node_id, self.arena.path, self.arena.capacity_bytes)
 
-    def _on_event(self, kind: EventKind, hashes: list[bytes], namespace: bytes) -> None:
+    def _on_event(self, kind: EventKind, hashes: list[bytes], namespace: bytes, tier: str = "host", /) -> None:
         info = self._namespaces.get(namespace)
-        self.events.append(kind, hashes, namespace, info.spec.block_tokens if info else 0)
+        self.events.append(kind, hashes, namespace, info.spec.block_tokens if info else 0, tier=tier)
 
     def register(self, hash_scheme: str, spec: KVSpec, namespace: bytes, spec_digest: bytes) -> NamespaceInfo:
         if hash_scheme != HASH_SCHEME:

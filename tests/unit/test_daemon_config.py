@@ -134,3 +134,21 @@ def test_serve_with_a_bad_value_exits_2_with_a_message() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "much" in done.stderr and "INVALID_ARGUMENT" in done.stderr
+
+
+def test_tier_watermarks_from_flags_env_and_toml(tmp_path: pathlib.Path) -> None:
+    toml = write_toml(tmp_path, "[tiers]\ndisk_low_watermark = 0.5\ndevice_low_watermark = 0.4\n")
+    env = {"KVPOOL_DISK_HIGH_WATERMARK": "0.8", "KVPOOL_DEVICE_HIGH_WATERMARK": "0.7"}
+    config = load_config(parse("--config", toml, "--device-low-watermark", "0.6"), env)
+    assert (config.tiers.disk_high_watermark, config.tiers.disk_low_watermark) == (0.8, 0.5)  # env, TOML
+    assert (config.tiers.device_high_watermark, config.tiers.device_low_watermark) == (0.7, 0.6)  # env, flag
+    flags = parse("--disk-high-watermark", "0.9", "--disk-low-watermark", "0.7")
+    assert (load_config(flags, {}).tiers.disk_high_watermark, load_config(flags, {}).tiers.disk_low_watermark) == (
+        0.9,
+        0.7,
+    )
+    assert load_config(parse(), {}).tiers.disk_high_watermark == 0.95  # default
+    with pytest.raises(InvalidArgument, match="disk watermarks"):
+        load_config(parse("--disk-high-watermark", "0.5", "--disk-low-watermark", "0.9"), {})
+    with pytest.raises(InvalidArgument, match="device watermarks"):
+        load_config(parse(), {"KVPOOL_DEVICE_LOW_WATERMARK": "0"})

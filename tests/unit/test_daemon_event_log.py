@@ -71,3 +71,11 @@ def test_supervisor_every_runs_until_stopped() -> None:
     assert all(ticks.acquire(timeout=10) for _ in range(3))
     sup.stop()
     assert sup.failure is None
+
+
+def test_append_records_the_tier_the_blocks_live_in() -> None:
+    log = EventLog("n1")
+    log.append(EventKind.STORED, [b"\x01" * 16], NS, 16)  # a caller that names no tier: host
+    log.append(EventKind.STORED, [b"\x01" * 16], NS, 16, tier="disk")
+    log.append(EventKind.STORED, [b"\x02" * 16], NS, tier="device")
+    assert [(e.seq, e.tier) for e in log.read_from(1, 0)] == [(1, "host"), (2, "disk"), (3, "device")]

@@ -32,6 +32,7 @@ class Harness:
     def __init__(self, disk_dir: pathlib.Path | None, **tier_kw: object) -> None:
         self.buffer = np.zeros(HOST.capacity_bytes, np.uint8)
         self.events: list[tuple[EventKind, list[bytes]]] = []
+        self.tiers: list[tuple[EventKind, bytes, str]] = []  # (kind, key, tier) per key, in order
         tiers = TierConfig(
             disk_dir=str(disk_dir) if disk_dir else "",
             disk_capacity_bytes=8 << 20,
@@ -41,8 +42,9 @@ class Harness:
         )
         self.store = TieredStore(self.buffer, HOST, tiers, FakeClock(), on_event=self._event, device_allow_cpu=True)
 
-    def _event(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+    def _event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
         self.events.append((kind, list(keys)))
+        self.tiers.extend((kind, k, tier) for k in keys)
 
     def put(self, ids: list[int]) -> None:
         for start in range(0, len(ids), 16):
@@ -86,7 +88,11 @@ def test_host_evictions_demote_to_disk_and_hits_promote_back(tmp_path: pathlib.P
         assert s["hits"] == 4 and s["misses"] == 0
         assert h.store.host.entry(key(0)) is not None
         assert h.removed() == set()  # nothing left the node, so no REMOVED event
-        assert sum(len(k) for kind, k in h.events if kind is EventKind.STORED) == 400  # promotions are silent
+        stored = [(k, tier) for kind, k, tier in h.tiers if kind is EventKind.STORED]
+        demoted = s["tiers"]["host"]["demotions"]
+        assert [t for k, t in stored].count("disk") == demoted  # each demotion: STORED on "disk"
+        assert [t for k, t in stored].count("host") == 400 + 4  # the puts, then the 4 promotions
+        assert stored[-4:] == [(key(i), "host") for i in range(4)]  # promoted back: STORED on "host"
     finally:
         h.store.close()
 
@@ -233,7 +239,8 @@ def test_build_node_store_picks_the_store_by_config(tmp_path: pathlib.Path) -> N
 
 def test_device_tier_on_cpu_takes_hot_blocks_and_demotes_back(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("torch")
-    h = Harness(None, device_capacity_bytes=1 << 18, device="cpu")  # one slab: 32 blocks
+    # one slab: 32 blocks; watermarks 1.0 = evict only when full (tests/unit/test_tiers_watermarks.py)
+    h = Harness(None, device_capacity_bytes=1 << 18, device="cpu", device_high_watermark=1.0, device_low_watermark=1.0)
     device = h.store.device
     assert device is not None
     h.put(list(range(40)))
