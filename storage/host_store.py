@@ -353,6 +353,11 @@ class HostStore:
         with self._lock:
             return list(self._index)
 
+    def tier_of(self, key: bytes) -> str:
+        """ "host" if the block is here, else "" (the tiered store answers for lower tiers)."""
+        with self._lock:
+            return "host" if key in self._index else ""
+
     def entry(self, key: bytes) -> Entry | None:
         with self._lock:
             return self._index.get(key)

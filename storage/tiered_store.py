@@ -266,6 +266,16 @@ class TieredStore:
             keys.update(dict.fromkeys(self.disk.keys()))
         return list(keys)
 
+    def tier_of(self, key: bytes) -> str:
+        """The fastest tier holding ``key`` ("host", "device", "disk"), or "" if none does."""
+        if self.host.entry(key) is not None:
+            return "host"
+        if self.device is not None and self.device.contains(key):
+            return "device"
+        if self.disk is not None and self.disk.meta(key) is not None:
+            return "disk"
+        return ""
+
     def entry(self, key: bytes) -> Entry | None:
         """The host entry; for a block only a lower tier holds, a detached ``Entry`` with
         ``offset == -1`` (namespace, size and checksum are right; it has no arena slot)."""

@@ -178,7 +178,7 @@ class ClusterAgent:
             incarnation=self.incarnation,
             last_seq=last_seq,
             hashes=pack_hashes(keys),
-            tiers=bytes([TIER_CODES["host"]]) * len(keys),
+            tiers=bytes(TIER_CODES[self.node.store.tier_of(key) or "host"] for key in keys),
         )
         self.link.call("Register", request)
         self._sent_namespaces = {ns.namespace for ns in namespaces}

@@ -259,3 +259,19 @@ def test_device_tier_on_cpu_needs_the_test_switch() -> None:
     buffer = np.zeros(HOST.capacity_bytes, np.uint8)
     store = TieredStore(buffer, HOST, TierConfig(device_capacity_bytes=1 << 18, device="cpu"), FakeClock())
     assert store.device is None and "only for tests" in store.summary()["tiers"]["device"]["fault"]
+
+
+def test_tier_of_names_the_fastest_tier_holding_a_block(tmp_path: pathlib.Path) -> None:
+    """The cluster agent reports each block's tier to the directory from tier_of at registration."""
+    h = Harness(tmp_path)
+    try:
+        h.put(list(range(400)))
+        assert h.store.flush()
+        assert h.store.host.entry(key(0)) is None and h.store.tier_of(key(0)) == "disk"
+        assert h.store.tier_of(key(399)) == "host"
+        assert h.store.tier_of(key(10_000)) == ""
+        h.get([0])  # promoted back
+        assert h.store.tier_of(key(0)) == "host"
+        assert h.store.host.tier_of(key(399)) == "host" and h.store.host.tier_of(key(10_000)) == ""
+    finally:
+        h.store.close()
