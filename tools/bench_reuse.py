@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_reuse.py                 # starts its own daemon on loopback
     .venv/bin/python tools/bench_reuse.py --pool HOST:PORT --lengths 2048 4096
+    .venv/bin/python tools/bench_reuse.py --kernels-only --threads 1
 
 Part 1 runs the reference engine (kvpool.engine) on this CPU. For each prompt length it
 measures the cold TTFT (engine without a pool), then, with a real daemon and PoolClient, the
@@ -9,7 +10,9 @@ TTFT of prompts whose first 0 %, 50 % and 90 % of tokens were stored by an earli
 Every ratio is against the cold TTFT of the same length in the same run.
 
 Part 2 times gather (paged cache -> canonical blocks) and scatter (back) against a plain
-contiguous copy of the same bytes, in the same run.
+contiguous copy of the same bytes, in the same run, for the previous CPU default ("before":
+strategy="direct", one thread) and the current one ("auto"), with a random and a consecutive
+page table. Only part 2: ``--kernels-only`` (same as ``--skip-ttft``).
 
 Targets (issue 5): 90 % cached TTFT <= 0.2x cold; gather/scatter >= 0.5x plain copy.
 """
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,39 +125,49 @@ def bench_ttft(address: str, lengths: list[int], repeats: int, codec: str = "") 
 
 
 def bench_kernels(tokens: int, repeats: int) -> None:
+    """gather/scatter vs a plain ``copy_`` of the same bytes, interleaved, best of ``repeats``.
+
+    "before" is the previous CPU default (strategy="direct", one thread: strided
+    ``index_select`` per layer and page slot; numpy row assignment for scatter), kept as a
+    strategy so every run measures old and new side by side. "auto" is what callers get now.
+    Two page tables: random (pages scattered: the worst case) and consecutive (pages
+    ``i, i+1, ...`` as a fresh allocator hands them out).
+    """
     from kvpool.core.spec import KVSpec
     from kvpool.kernels.paged import PagedLayout, gather_blocks, scatter_blocks
 
     spec = KVSpec("llama-3-8b-like", 32, 8, 128, "bfloat16", 64)
     nb = tokens // spec.block_tokens
-    print(f"\nkernels: {spec.describe()}, {nb} blocks = {nb * spec.block_bytes / 2**20:.0f} MiB, page 16")
+    print(f"\nkernels: {spec.describe()}, {nb} blocks = {nb * spec.block_bytes / 2**20:.0f} MiB, page 16,")
+    print(f"  torch threads {torch.get_num_threads()}, best of {repeats}, ratio = plain copy time / kernel time")
+    before: dict[str, Any] = {"strategy": "direct", "workers": 1}
     for order in ("NHD", "HND"):
         layout = PagedLayout(16, 8, 128, order)
         pages = nb * 4 + 64
         caches = [torch.randn(layout.page_shape(2, pages)).to(torch.bfloat16) for _ in range(spec.num_layers)]
-        table = torch.randperm(pages)[: nb * 4]
         blocks = torch.empty(nb, *spec.block_shape, dtype=torch.bfloat16)
         src, dst = torch.randn_like(blocks), torch.empty_like(blocks)
-
-        fns: dict[str, Callable[[], object]] = {
-            "plain": lambda: dst.copy_(src),  # noqa: B023
-            "gather": lambda: gather_blocks(spec, layout, caches, table, blocks, nb),  # noqa: B023
-            "scatter": lambda: scatter_blocks(spec, layout, blocks, caches, table, nb),  # noqa: B023
-            "gather_staged": lambda: gather_blocks(spec, layout, caches, table, blocks, nb, strategy="staged"),  # noqa: B023
-            "scatter_staged": lambda: scatter_blocks(spec, layout, blocks, caches, table, nb, strategy="staged"),  # noqa: B023
-        }
-        times = {k: float("inf") for k in fns}
-        for _ in range(repeats):  # interleaved, best of each: load bursts hit all three alike
-            for name, fn in fns.items():
-                t = time.perf_counter()
-                fn()
-                times[name] = min(times[name], time.perf_counter() - t)
-        nbytes = blocks.numel() * 2
-        plain = times["plain"]
-        line = f"  {order}: plain copy {nbytes / plain / 1e9:6.2f} GB/s"
-        for name in ("gather", "scatter", "gather_staged", "scatter_staged"):
-            line += f" | {name} {nbytes / times[name] / 1e9:5.2f} GB/s ({plain / times[name]:.2f}x)"
-        print(line)
+        tables = {"random": torch.randperm(pages)[: nb * 4], "consecutive": torch.arange(7, 7 + nb * 4)}
+        for kind, table in tables.items():
+            fns: dict[str, Callable[[], object]] = {  # partial: binds this loop's tensors now
+                "plain": partial(dst.copy_, src),
+                "gather before": partial(gather_blocks, spec, layout, caches, table, blocks, nb, **before),
+                "gather auto": partial(gather_blocks, spec, layout, caches, table, blocks, nb),
+                "scatter before": partial(scatter_blocks, spec, layout, blocks, caches, table, nb, **before),
+                "scatter auto": partial(scatter_blocks, spec, layout, blocks, caches, table, nb),
+            }
+            times = {k: float("inf") for k in fns}
+            for _ in range(repeats):  # interleaved, best of each: load bursts hit all of them alike
+                for name, fn in fns.items():
+                    t = time.perf_counter()
+                    fn()
+                    times[name] = min(times[name], time.perf_counter() - t)
+            nbytes = blocks.numel() * 2
+            plain = times["plain"]
+            line = f"  {order} {kind:>11}: plain {nbytes / plain / 1e9:5.2f} GB/s"
+            for name in list(fns)[1:]:
+                line += f" | {name} {nbytes / times[name] / 1e9:5.2f} GB/s {plain / times[name]:.2f}x"
+            print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernel-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-ttft", "--kernels-only", action="store_true", help="run only the kernel part")
     parser.add_argument("--codec", choices=["", "int8", "fp8"], default="", help="compress pool blocks")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

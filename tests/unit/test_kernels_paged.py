@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvpool.core.errors import InvalidArgument, SpecMismatch
 from kvpool.core.spec import KVSpec
+from kvpool.kernels import paged
 from kvpool.kernels.paged import (
     PagedLayout,
     blocks_to_tokens,
@@ -51,7 +55,28 @@ def _blocks_from_tokens(spec: KVSpec, tokens: torch.Tensor, num_blocks: int) -> 
     return out
 
 
-@settings(max_examples=40, deadline=None)
+def _page_table(kind: str, num_req_pages: int, unit: int, rng: random.Random) -> tuple[list[int], int]:
+    """(request pages, pages in the cache). "random": scattered ids. "runs": groups of whole
+    blocks (``unit`` pages each) on consecutive ids, the groups in random order with gaps, as
+    an allocator hands out pages to a request that grew over time."""
+    if kind == "random":
+        num_pages = num_req_pages + 3
+        return rng.sample(range(num_pages), num_req_pages), num_pages
+    n_units = num_req_pages // unit
+    cuts = sorted(rng.sample(range(1, n_units), rng.randint(0, n_units - 1)))
+    groups = [range(s, e) for s, e in zip([0, *cuts], [*cuts, n_units], strict=True)]
+    rng.shuffle(groups)
+    pages = [0] * num_req_pages
+    base = rng.randint(0, 2)
+    for group in groups:
+        for i, u in enumerate(group):
+            for j in range(unit):
+                pages[u * unit + j] = base + i * unit + j
+        base += len(group) * unit + rng.randint(0, 2)
+    return pages, base + 1
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     layers=st.integers(1, 3),
     heads=st.sampled_from([1, 2, 4]),
@@ -61,7 +86,11 @@ def _blocks_from_tokens(spec: KVSpec, tokens: torch.Tensor, num_blocks: int) -> 
     order=st.sampled_from(["NHD", "HND"]),
     num_blocks=st.integers(1, 5),
     chunk=st.sampled_from([None, 1, 2]),
-    strategy=st.sampled_from(["direct", "staged"]),
+    strategy=st.sampled_from(["auto", "direct", "staged", "rows", "runs"]),
+    table_kind=st.sampled_from(["random", "runs"]),
+    workers=st.sampled_from([None, 1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    tp_rank_1=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_gather_then_scatter_match_per_token_oracle(
@@ -74,33 +103,101 @@ def test_gather_then_scatter_match_per_token_oracle(
     num_blocks: int,
     chunk: int | None,
     strategy: str,
+    table_kind: str,
+    workers: int | None,
+    dtype: torch.dtype,
+    tp_rank_1: bool,
     seed: int,
 ) -> None:
+    """Every strategy, page table shape (scattered or consecutive runs) and thread count gives
+    the oracle's bytes, for a whole model or one TP rank's head range; "runs" needs a runs
+    table. Heads outside the rank's range stay untouched (NaN)."""
     ppb, bpp = block_mult
     block_tokens = page_tokens * ppb // bpp
     if block_tokens == 0:
         return
-    spec = KVSpec("m", layers, heads, head_dim, "float32", block_tokens)
-    layout = PagedLayout(page_tokens, heads, head_dim, order)
+    if strategy == "runs":
+        table_kind = "runs"
+    h0 = heads if tp_rank_1 else 0  # TP=2 rank 1 holds the upper half of the model's heads
+    spec = KVSpec(
+        "m", layers, heads * (2 if tp_rank_1 else 1), head_dim, str(dtype).removeprefix("torch."), block_tokens
+    )
+    layout = PagedLayout(page_tokens, heads, head_dim, order, head_start=h0)
     gen = torch.Generator().manual_seed(seed)
     ntok = num_blocks * block_tokens
     num_req_pages = -(-ntok // page_tokens)
-    num_pages = num_req_pages + 3
-    pages = torch.randperm(num_pages, generator=gen)[:num_req_pages].tolist()
-    tokens = torch.randn(layers, 2, heads, ntok, head_dim, generator=gen)
-    caches = _fill_cache_per_token(layout, tokens, pages, num_pages)
+    pages, num_pages = _page_table(table_kind, num_req_pages, ppb if bpp == 1 else 1, random.Random(seed))
+    tokens = torch.randn(layers, 2, spec.num_kv_heads, ntok, head_dim, generator=gen).to(dtype).float()
+    caches = [c.to(dtype) for c in _fill_cache_per_token(layout, tokens, pages, num_pages)]
 
-    out = torch.full((num_blocks, *spec.block_shape), float("nan"))
-    gather_blocks(spec, layout, caches, pages, out, num_blocks, chunk_blocks=chunk, strategy=strategy)
-    assert torch.equal(out, _blocks_from_tokens(spec, tokens, num_blocks))
+    out = torch.full((num_blocks, *spec.block_shape), float("nan"), dtype=dtype)
+    kw: dict[str, Any] = {"chunk_blocks": chunk, "strategy": strategy, "workers": workers}
+    gather_blocks(spec, layout, caches, pages, out, num_blocks, **kw)
+    mine = slice(h0, h0 + heads)
+    assert torch.equal(out[:, :, :, mine], _blocks_from_tokens(spec, tokens, num_blocks).to(dtype)[:, :, :, mine])
+    assert out[:, :, :, :h0].isnan().all()
 
     fresh = [torch.full_like(c, -7.0) for c in caches]
-    scatter_blocks(spec, layout, out, fresh, pages, num_blocks, chunk_blocks=chunk, strategy=strategy)
+    scatter_blocks(spec, layout, out, fresh, pages, num_blocks, **kw)
     for a, b in zip(fresh, caches):
         assert torch.equal(a, b)  # request pages rewritten exactly; other pages untouched (-7)
 
 
-@pytest.mark.parametrize("strategy", ["direct", "staged"])
+def test_runs_and_rows_refuse_what_they_cannot_address() -> None:
+    spec = KVSpec("m", 2, 2, 4, "float32", 8)
+    layout = PagedLayout(4, 2, 4)
+    caches = [torch.zeros(layout.page_shape(2, 8)) for _ in range(2)]
+    out = torch.zeros(2, *spec.block_shape)
+    with pytest.raises(InvalidArgument, match="consecutive"):
+        gather_blocks(spec, layout, caches, [0, 2, 4, 5], out, 2, strategy="runs")
+    with pytest.raises(InvalidArgument, match="consecutive"):
+        scatter_blocks(spec, layout, out, caches, [1, 0, 2, 3], 2, strategy="runs")
+    strided = torch.zeros(2, *spec.block_shape[:-1], 8)[..., ::2]
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        gather_blocks(spec, layout, caches, [0, 1, 2, 3], strided, 2, strategy="rows")
+    with pytest.raises(InvalidArgument, match="workers"):
+        gather_blocks(spec, layout, caches, [0, 1, 2, 3], out, 2, workers=0)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_auto_gathers_into_non_contiguous_blocks_and_from_non_contiguous_caches(
+    order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The "rows" and "runs" paths address flat memory; "auto" must fall back, not write into
+    a copy. ROWS_MIN_BYTES=0 makes "auto" take "rows" for these tiny blocks whenever it may."""
+    monkeypatch.setattr(paged, "ROWS_MIN_BYTES", 0)
+    spec = KVSpec("m", 2, 2, 4, "float32", 8)
+    layout = PagedLayout(4, 2, 4, order)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randn(2, 2, 2, 16, 4, generator=gen)
+    for pages in ([5, 1, 0, 3], [2, 3, 4, 5]):  # scattered, then one run
+        caches = _fill_cache_per_token(layout, tokens, pages, 6)
+        strided = torch.full((2, *spec.block_shape[:-1], 8), float("nan"))[..., ::2]
+        gather_blocks(spec, layout, caches, pages, strided, 2)
+        assert torch.equal(strided, _blocks_from_tokens(spec, tokens, 2))
+        wide = [torch.cat([c, torch.zeros_like(c)], dim=-1)[..., :4] for c in caches]  # same values, strided
+        out = torch.full((2, *spec.block_shape), float("nan"))
+        gather_blocks(spec, layout, wide, pages, out, 2)
+        assert torch.equal(out, _blocks_from_tokens(spec, tokens, 2))
+        back = [torch.full_like(torch.cat([c, c], dim=-1), -7.0)[..., :4] for c in caches]  # strided too
+        scatter_blocks(spec, layout, out, back, pages, 2)
+        assert all(torch.equal(a, c) for a, c in zip(back, caches))
+
+
+def test_scatter_with_one_tensor_for_two_layers_keeps_serial_order() -> None:
+    """Layers are written on threads only when each layer has its own tensor; with one tensor
+    passed twice the last layer's bytes win, as with one thread."""
+    spec = KVSpec("m", 2, 2, 4, "float32", 8)
+    layout = PagedLayout(4, 2, 4)
+    shared = torch.zeros(layout.page_shape(2, 4))
+    blocks = torch.randn(2, *spec.block_shape)
+    scatter_blocks(spec, layout, blocks, [shared, shared], [3, 1, 0, 2], 2, workers=2)
+    back = torch.zeros(2, *spec.block_shape)
+    gather_blocks(spec, layout, [shared, shared], [3, 1, 0, 2], back, 2)
+    assert torch.equal(back[:, 0], blocks[:, 1]) and torch.equal(back[:, 1], blocks[:, 1])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "direct", "staged"])
 def test_tp2_writer_and_tp4_reader_share_blocks(strategy: str) -> None:
     heads, layers, d, page = 4, 2, 8, 4
     spec = KVSpec("m", layers, heads, d, "float32", 8)
