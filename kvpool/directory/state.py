@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import struct
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class NodeRecord:
     last_registered_ms: float = 0.0
     alive: bool = True
     confirmed: bool = True  # False after a directory restart until the node heartbeats again
+    # True when the loaded key list did not match the node row (a torn flush): its blocks are
+    # not offered and its next heartbeat gets ``resync`` whatever its seq
+    resync_needed: bool = False
     slot: int = 0
     keys: dict[bytes, int] = field(default_factory=dict)  # block hash -> tier code
 
@@ -145,6 +149,14 @@ class DirectoryState:
             record.confirmed = False
             record.alive = True
             record.last_heartbeat_ms = now  # give it one TTL to come back
+            if keys is None:
+                log.warning(
+                    "directory: node %s: its stored key list does not match its row (an interrupted "
+                    "flush): its blocks are not offered until it registers again",
+                    record.node_id,
+                )
+                record.resync_needed = True
+                keys = {}
             record.keys = keys
             self._nodes[record.node_id] = record
             self._by_slot[record.slot] = record
@@ -168,12 +180,19 @@ class DirectoryState:
             rows = [(self._nodes.get(nid), nid) for nid in dirty]
             snapshot = [(r.public(), dict(r.keys)) if r is not None else (None, nid) for r, nid in rows]
             namespaces = dict(self._namespaces)
-        for public, keys in snapshot:
-            if public is None:
-                self._db.delete_node(str(keys))
-            else:
-                assert isinstance(keys, dict)
-                self._db.put_node(public, keys)
+        flushed = 0
+        try:
+            for public, keys in snapshot:
+                if public is None:
+                    self._db.delete_node(str(keys))
+                else:
+                    assert isinstance(keys, dict)
+                    self._db.put_node(public, keys)
+                flushed += 1
+        except BaseException:
+            with self._lock:  # the rest (the failed one included) go again on the next flush
+                self._dirty.update(nid for _, nid in rows[flushed:])
+            raise
         self._db.put_namespaces(namespaces)
         return len(snapshot)
 
@@ -258,7 +277,7 @@ class DirectoryState:
         """Apply a node's events. Returns (resync needed, last applied seq)."""
         with self._lock:
             node = self._nodes.get(node_id)
-            if node is None or not node.alive or node.incarnation != incarnation:
+            if node is None or not node.alive or node.incarnation != incarnation or node.resync_needed:
                 self.counters["resyncs"] += 1
                 return True, 0
             for ns, digest, spec_json in namespaces:
@@ -343,33 +362,49 @@ class DirectoryState:
 
     # -- reads ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], client_node: str = "", lease_ms: int = 0) -> LookupResult:
-        """Per leading block, which live nodes hold it (stops at the first block nobody holds)."""
+        """Per leading block, which live nodes hold it (stops at the first block nobody holds).
+
+        The reply names at most ``MAX_HOLDERS_IN_REPLY`` nodes, and every block counted as a
+        hit has at least one of them in its mask: a hit the client cannot read from is worse
+        than a miss (it plans a read with no holder). The usual prompt has a few holders and
+        takes one pass; one whose holders do not fit goes through ``_reply_slots``.
+        """
         with self._lock:
-            holders_of = self._holders
+            run: list[dict[int, int]] = []  # holders of each leading held block
             bit_of: dict[int, int] = {}
-            nodes: list[NodeRecord] = []
             masks: list[int] = []
             tiers = bytearray()
+            overflow = False
             for key in keys:
-                holders = holders_of.get(key)
+                holders = self._holders.get(key)
                 if not holders:
                     break
+                run.append(holders)
+                if overflow:
+                    continue
                 mask = 0
                 best = 3
                 for slot, tier in holders.items():
                     bit = bit_of.get(slot)
                     if bit is None:
-                        if len(nodes) >= MAX_HOLDERS_IN_REPLY:
-                            continue
-                        bit = len(nodes)
-                        bit_of[slot] = bit
-                        nodes.append(self._by_slot[slot])
+                        if len(bit_of) >= MAX_HOLDERS_IN_REPLY:
+                            overflow = True  # redone below by _reply_slots
+                            break
+                        bit = bit_of[slot] = len(bit_of)
                     mask |= 1 << bit
                     if TIER_RANK.get(tier, 3) < TIER_RANK.get(best, 3):
                         best = tier
-                masks.append(mask)
-                tiers.append(best if best != 3 else 0)
+                else:
+                    masks.append(mask)
+                    tiers.append(best if best != 3 else 0)
+            if overflow:
+                slots, hits = self._reply_slots(run)
+                bit_of = {slot: bit for bit, slot in enumerate(slots)}
+                masks, tiers = [], bytearray()
+                for holders in run[:hits]:
+                    self._mask_block(holders, bit_of, masks, tiers)
             hits = len(masks)
+            nodes = [self._by_slot[slot] for slot in bit_of]
             self.counters["lookups"] += 1
             self.counters["lookup_blocks"] += len(keys)
             self.counters["lookup_hits"] += hits
@@ -381,6 +416,56 @@ class DirectoryState:
                 for key in leased:
                     self._leased_count[key] = self._leased_count.get(key, 0) + 1
             return LookupResult(hits, nodes, masks, bytes(tiers), lease_id)
+
+    @staticmethod
+    def _mask_block(holders: dict[int, int], bit_of: dict[int, int], masks: list[int], tiers: bytearray) -> None:
+        """Append one block's holder mask (over the reply's nodes) and the best tier among them."""
+        mask = 0
+        best = 3
+        for slot, tier in holders.items():
+            bit = bit_of.get(slot)
+            if bit is None:
+                continue  # not in the reply: the client cannot read from it
+            mask |= 1 << bit
+            if TIER_RANK.get(tier, 3) < TIER_RANK.get(best, 3):
+                best = tier
+        masks.append(mask)
+        tiers.append(best if best != 3 else 0)
+
+    @staticmethod
+    def _reply_slots(run: Sequence[dict[int, int]]) -> tuple[list[int], int]:
+        """For a prompt whose holders do not all fit in a reply: the node slots to name (in
+        bit order, at most ``MAX_HOLDERS_IN_REPLY``) and how many leading blocks of ``run``
+        they cover (the hits).
+
+        Greedy cover: walking the blocks, a block none of the chosen nodes holds gets the
+        holder whose contiguous run from there reaches furthest (the longest prefix any
+        choice could cover when each node holds a contiguous run, which chain hashes make the
+        usual case); the hits stop at the first block that would need a node past the cap.
+        The spare room is then filled with further holders, earliest blocks first, so the
+        client still has replicas to choose from.
+        """
+        chosen: dict[int, None] = {}  # insertion-ordered set
+        hits = 0
+        while hits < len(run):
+            if not any(slot in chosen for slot in run[hits]):
+                if len(chosen) >= MAX_HOLDERS_IN_REPLY:
+                    break
+                # the holders whose contiguous run from here reaches furthest: lockstep scan
+                furthest = set(run[hits])
+                for holders in itertools.islice(run, hits + 1, None):
+                    still = furthest.intersection(holders)
+                    if not still:
+                        break
+                    furthest = still
+                chosen[min(furthest)] = None
+            hits += 1
+        for holders in run[:hits]:
+            for slot in holders:
+                if len(chosen) >= MAX_HOLDERS_IN_REPLY:
+                    return list(chosen), hits
+                chosen.setdefault(slot)
+        return list(chosen), hits
 
     def release(self, lease_ids: Iterable[int]) -> int:
         with self._lock:
@@ -488,23 +573,41 @@ class DirectoryState:
 
 class DirectoryDB:
     """RocksDB (rocksdict) under ``path``: node registry, each node's last known blocks,
-    namespaces and the epoch counter. Written by ``DirectoryState.flush``."""
+    namespaces and the epoch counter. Written by ``DirectoryState.flush``.
+
+    A node is two rows, ``node/<id>`` (JSON, with its last applied seq) and ``keys/<id>`` (its
+    blocks), written by two puts: a crash between them must not pair a new seq with an old
+    key list (the node's stream would then continue with no resync and the directory would
+    offer blocks the node removed). So every ``put_node`` stamps both rows with the same
+    write stamp, unique over the database's life (the open count and a per-open write
+    counter); ``nodes`` returns ``None`` as the key list of a node whose stamps differ, and
+    the directory drops that node's blocks and asks it to resync.
+    """
+
+    _KEYS_MAGIC = b"KVK1"
+    _STAMP_BYTES = 16
 
     def __init__(self, path: str) -> None:
         from rocksdict import Rdict
 
         self.path = path
         self._db: Any = Rdict(path)
+        self._open_no = self._bump(b"meta/opens")  # first part of every write stamp
+        self._writes = itertools.count(1)
+
+    def _bump(self, counter: bytes) -> int:
+        value = int(self._db.get(counter, b"0")) + 1
+        self._db[counter] = str(value).encode()
+        return value
 
     def next_epoch(self) -> int:
-        epoch = int(self._db.get(b"meta/epoch", b"0")) + 1
-        self._db[b"meta/epoch"] = str(epoch).encode()
-        return epoch
+        return self._bump(b"meta/epoch")
 
     def put_node(self, public: dict[str, object], keys: dict[bytes, int]) -> None:
-        node_id = str(public["node_id"])
-        self._db[b"node/" + node_id.encode()] = json.dumps(public).encode()
-        self._db[b"keys/" + node_id.encode()] = b"".join(keys) + bytes(keys.values())
+        node_id = str(public["node_id"]).encode()
+        stamp = struct.pack(">QQ", self._open_no, next(self._writes))
+        self._db[b"node/" + node_id] = json.dumps({**public, "keys_stamp": stamp.hex()}).encode()
+        self._db[b"keys/" + node_id] = self._KEYS_MAGIC + stamp + b"".join(keys) + bytes(keys.values())
 
     def delete_node(self, node_id: str) -> None:
         for prefix in (b"node/", b"keys/"):
@@ -520,18 +623,28 @@ class DirectoryDB:
         raw = self._db.get(b"meta/namespaces", b"")
         return [(raw[i : i + 16], raw[i + 16 : i + 32]) for i in range(0, len(raw), 32)]
 
-    def nodes(self) -> list[tuple[NodeRecord, dict[bytes, int]]]:
-        out: list[tuple[NodeRecord, dict[bytes, int]]] = []
+    def nodes(self) -> list[tuple[NodeRecord, dict[bytes, int] | None]]:
+        """Every stored node with its blocks (hash -> tier code); ``None`` for the blocks of a
+        node whose key list is missing or does not carry its row's write stamp."""
+        out: list[tuple[NodeRecord, dict[bytes, int] | None]] = []
         for key, value in self._db.items(from_key=b"node/"):
             if not key.startswith(b"node/"):
                 break
             public = json.loads(value)
             record = NodeRecord(**{k: public[k] for k in public if k in NodeRecord.__dataclass_fields__})
-            raw = self._db.get(b"keys/" + key[5:], b"")
-            n = len(raw) // 17
-            keys = {raw[i * 16 : i * 16 + 16]: raw[n * 16 + i] for i in range(n)}
-            out.append((record, keys))
+            out.append((record, self._keys(key[5:], str(public.get("keys_stamp", "")))))
         return out
+
+    def _keys(self, node_id: bytes, stamp_hex: str) -> dict[bytes, int] | None:
+        raw = self._db.get(b"keys/" + node_id, b"")
+        head = len(self._KEYS_MAGIC) + self._STAMP_BYTES
+        if not raw.startswith(self._KEYS_MAGIC) or raw[len(self._KEYS_MAGIC) : head].hex() != stamp_hex:
+            return None  # torn write, or a row from before stamps: unknown
+        body = raw[head:]
+        if len(body) % 17:
+            return None
+        n = len(body) // 17
+        return {body[i * 16 : i * 16 + 16]: body[n * 16 + i] for i in range(n)}
 
     def close(self) -> None:
         self._db.close()
