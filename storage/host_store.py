@@ -286,6 +286,22 @@ class HostStore:
                 self._emit(EventKind.STORED, committed, pending.namespace)
             return CommitResult(len(committed), failed)
 
+    def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
+        """Copy one block into ``grant.slots[slot]`` of a pending put, only if that put still
+        holds the slot.
+
+        A remote writer receives into a private buffer and copies through here: the check and
+        the copy happen under the store lock, so a writer whose put was reclaimed (put_ttl_ms)
+        can never overwrite a slot that another put has since been given. False = the put is
+        gone (or ``slot`` is out of range, or ``data`` is not one block): nothing was written."""
+        with self._lock:
+            pending = self._pending.get(put_id)
+            if pending is None or not 0 <= slot < len(pending.slots) or data.nbytes != pending.block_bytes:
+                return False
+            offset = pending.slots[slot][2]
+            self._buffer[offset : offset + pending.block_bytes] = data.reshape(-1).view(np.uint8)
+            return True
+
     def put_abort(self, put_id: int) -> None:
         with self._lock:
             pending = self._pending.pop(put_id, None)

@@ -197,9 +197,12 @@ class ClusterClient:
         return 2
 
     def _plan(self, holders: list[list[Holder]]) -> list[tuple[Holder, int, int]]:
-        """Contiguous runs (holder, start, end): best rank first, staying on one holder."""
+        """Contiguous runs (holder, start, end): best rank first, staying on one holder.
+        A block with no holder ends the plan: it and every later block are misses."""
         runs: list[tuple[Holder, int, int]] = []
         for i, options in enumerate(holders):
+            if not options:
+                break
             best = min(self._rank(h) for h in options)
             candidates = [h for h in options if self._rank(h) == best]
             if runs and runs[-1][0] in candidates and runs[-1][2] == i:

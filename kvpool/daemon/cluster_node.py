@@ -77,6 +77,11 @@ class NodeBlockStore:
         result = self._node.store.put_commit(put_id, checksums)
         return result.committed, len(result.checksum_failed)
 
+    def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
+        """Copy a received block into its reserved slot only if the put is still pending, so a
+        writer whose put was reclaimed can never overwrite a block committed since."""
+        return bool(self._node.store.write_slot(put_id, slot, data))
+
     def put_abort(self, put_id: int) -> None:
         self._node.store.put_abort(put_id)
 

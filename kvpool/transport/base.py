@@ -80,6 +80,15 @@ class BlockStore(Protocol):
     def put_abort(self, put_id: int) -> None: ...
 
 
+class SlotWriter(Protocol):
+    """``write_slot`` of a ``BlockStore`` (optional, looked up with ``getattr``): copy one
+    received block into ``PutSlots.slots[slot]`` of put ``put_id``, checking under the store
+    lock that the put still holds that slot; False = reclaimed, nothing written. A server whose
+    store has it never lets a slow writer's late bytes land in a slot reused by another put."""
+
+    def __call__(self, put_id: int, slot: int, data: np.ndarray, /) -> bool: ...
+
+
 class Transport(Protocol):
     """The reading / writing side: one object per process, connections cached per peer."""
 

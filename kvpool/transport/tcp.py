@@ -15,14 +15,15 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvpool.core.checksum import checksum64
-from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, UnknownNamespace
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, NotFound, UnknownNamespace
 from kvpool.transport import wire
-from kvpool.transport.base import BlockStore, ReadItem, ReadResult, WriteResult
+from kvpool.transport.base import BlockStore, ReadItem, ReadResult, SlotWriter, WriteResult
 
 log = logging.getLogger("kvpool.transport")
 
@@ -44,6 +45,12 @@ def _tune(sock: socket.socket) -> None:
     if SOCKET_BUFFER_BYTES:  # 0 = leave the kernel's autotuning on
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+class ProtocolViolation(InvalidArgument):
+    """A peer sent something the protocol does not allow (more items than asked, a length
+    that is not the destination's, counts beyond the batch): the connection is dropped and
+    the request is a miss."""
 
 
 class TcpDataServer:
@@ -68,6 +75,7 @@ class TcpDataServer:
         self.address = listen
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._warned_unsafe_write = False
 
     def start(self) -> None:
         host, port = split_address(self._listen)
@@ -188,11 +196,26 @@ class TcpDataServer:
             arena = self._store.arena()
             metas: list[bytes] = []
             views: list[memoryview] = []
-            for (_, off, length), (offset, size, checksum) in zip(items, grant.locations):
+            verified: set[int] = set()  # arena offsets of blocks checked whole (several ranges of one block)
+            for i, ((key, off, length), (offset, size, checksum)) in enumerate(zip(items, grant.locations)):
                 if length == 0:
                     length = size - off
                 chunk = arena[offset + off : offset + off + length]
                 whole = off == 0 and length == size
+                if not whole and offset not in verified and checksum64(arena[offset : offset + size]) == checksum:
+                    verified.add(offset)
+                if not whole and offset not in verified:
+                    # the reader cannot check a range against the committed checksum: we check
+                    # the whole block here, and a block that rotted after commit is a miss
+                    log.warning(
+                        "data plane: block %s (item %d) no longer matches its committed checksum: "
+                        "serving %d of %d items, the rest are misses",
+                        key.hex(),
+                        i,
+                        i,
+                        len(items),
+                    )
+                    break
                 metas.append(wire.READ_META.pack(length, checksum if whole else checksum64(chunk)))
                 views.append(memoryview(chunk))  # type: ignore[arg-type]
         except BaseException:
@@ -234,15 +257,28 @@ class TcpDataServer:
         except KVPoolError as err:
             conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, str(err)))
             return False
+        write_slot: SlotWriter | None = getattr(self._store, "write_slot", None)
+        if write_slot is None and not self._warned_unsafe_write:
+            self._warned_unsafe_write = True
+            log.warning(
+                "data plane: the block store has no write_slot(): remote writes land straight in "
+                "their slots, and a writer whose put is reclaimed can overwrite another block"
+            )
         arena = self._store.arena()
-        by_index = dict(slots.slots)
-        scratch = np.empty(block_bytes, dtype=np.uint8) if len(by_index) < count else None
+        slot_of = {index: (j, offset) for j, (index, offset) in enumerate(slots.slots)}
+        buffer = np.empty(block_bytes, dtype=np.uint8)  # one block: the only private memory a writer gets
+        reclaimed = False
         try:
             for i in range(count):
-                offset = by_index.get(i)
-                target = arena[offset : offset + block_bytes] if offset is not None else scratch
-                assert target is not None
-                wire.recv_into_exact(conn, memoryview(target))  # type: ignore[arg-type]
+                slot = slot_of.get(i)
+                if slot is not None and write_slot is None:  # legacy store: straight into the slot
+                    offset = slot[1]
+                    wire.recv_into_exact(conn, memoryview(arena[offset : offset + block_bytes]))  # type: ignore[arg-type]
+                else:
+                    wire.recv_into_exact(conn, memoryview(buffer))  # type: ignore[arg-type]
+                    if slot is not None and not reclaimed and write_slot is not None:
+                        # copied under the store lock, only while the put still holds the slot
+                        reclaimed = not write_slot(slots.put_id, slot[0], buffer)
                 self.bytes_received += block_bytes
         except BaseException:
             if slots.put_id:
@@ -250,7 +286,15 @@ class TcpDataServer:
             raise
         committed, failed = (0, 0)
         if slots.put_id:
-            committed, failed = self._store.put_commit(slots.put_id, [items[i][1] for i, _ in slots.slots])
+            try:
+                if reclaimed:
+                    raise NotFound(f"put {slots.put_id} was reclaimed (put_ttl_ms) while its blocks arrived")
+                committed, failed = self._store.put_commit(slots.put_id, [items[i][1] for i, _ in slots.slots])
+            except NotFound as err:
+                self._store.put_abort(slots.put_id)
+                log.warning("data plane: write from %s was too slow, nothing stored: %s", peer, err)
+                conn.sendall(wire.pack_reply(wire.STATUS_ERROR, 0, f"{err}: write the blocks again"))
+                return True  # every byte of the request was read: the stream is still in sync
             if failed:
                 log.warning("data plane: %d blocks written by %s failed their checksum and were dropped", failed, peer)
         conn.sendall(
@@ -271,12 +315,13 @@ class TcpTransport:
         self._lock = threading.Lock()
         self.bytes_received = 0
 
-    def _take(self, peer: str) -> socket.socket:
+    def _take(self, peer: str, deadline: float | None = None) -> socket.socket:
         with self._lock:
             pool = self._idle.get(peer)
             if pool:
                 return pool.pop()
-        sock = socket.create_connection(split_address(peer), timeout=self.timeout_s)
+        left = wire.time_left(deadline)
+        sock = socket.create_connection(split_address(peer), timeout=self.timeout_s if left is None else left)
         _tune(sock)
         return sock
 
@@ -297,40 +342,51 @@ class TcpTransport:
     def read(self, peer: str, namespace: bytes, items: Sequence[ReadItem], dst: Sequence[np.ndarray]) -> ReadResult:
         if len(items) != len(dst):
             raise InvalidArgument(f"{len(items)} read items for {len(dst)} destinations")
+        deadline = time.monotonic() + self.timeout_s  # timeout_s bounds the whole read
         done = 0
-        for start in range(0, len(items), wire.MAX_ITEMS):
-            chunk = items[start : start + wire.MAX_ITEMS]
-            result = self._read_chunk(peer, namespace, chunk, dst[start : start + wire.MAX_ITEMS])
-            done += result.ok
-            if result.ok < len(chunk):
-                return ReadResult(done, result.reason)
+        try:
+            for start in range(0, len(items), wire.MAX_ITEMS):
+                chunk = items[start : start + wire.MAX_ITEMS]
+                result = self._read_chunk(peer, namespace, chunk, dst[start : start + wire.MAX_ITEMS], deadline)
+                done += result.ok
+                if result.ok < len(chunk):
+                    return ReadResult(done, result.reason)
+        except Exception as exc:  # the outermost boundary: whatever a peer does is a miss
+            log.exception("read from %s failed unexpectedly after %d blocks: the rest are misses", peer, done)
+            return ReadResult(done, f"transfer from {peer} failed: {exc!r}")
         return ReadResult(done)
 
     read_op = wire.OP_READ
 
     def _read_chunk(
-        self, peer: str, namespace: bytes, items: Sequence[ReadItem], dst: Sequence[np.ndarray]
+        self,
+        peer: str,
+        namespace: bytes,
+        items: Sequence[ReadItem],
+        dst: Sequence[np.ndarray],
+        deadline: float,
     ) -> ReadResult:
         sock: socket.socket | None = None
         progress = [0]  # leading items verified so far (kept up to date for the failure path)
         try:
-            sock = self._take(peer)
-            sock.settimeout(self.timeout_s)
+            sock = self._take(peer, deadline)
             request = wire.pack_header(self.read_op, len(items), namespace) + wire.pack_read_items(
                 [(it.key, it.range_offset, it.range_length) for it in items]
             )
-            sock.sendall(request)
-            status, served, message = wire.recv_reply(sock)
+            wire.send_all(sock, request, deadline)
+            status, served, message = wire.recv_reply(sock, deadline)
             if status != wire.STATUS_OK:
                 self._give(peer, sock)
                 sock = None
                 return ReadResult(0, f"peer {peer} refused the read: {message}")
-            metas_raw = wire.recv_exact(sock, served * wire.READ_META.size)
+            if served > len(items):
+                raise ProtocolViolation(f"peer {peer} answers {served} items to a read of {len(items)}")
+            metas_raw = wire.recv_exact(sock, served * wire.READ_META.size, deadline)
             metas = [wire.READ_META.unpack_from(metas_raw, i * wire.READ_META.size) for i in range(served)]
             for i, (length, _) in enumerate(metas):
                 if dst[i].nbytes != length:
-                    raise InvalidArgument(f"peer {peer} sends {length} bytes for item {i}; expected {dst[i].nbytes}")
-            bad = self._receive(sock, peer, metas, dst, progress)
+                    raise ProtocolViolation(f"peer {peer} sends {length} bytes for item {i}; expected {dst[i].nbytes}")
+            bad = self._receive(sock, peer, metas, dst, progress, deadline)
             self._give(peer, sock)
             sock = None
             ok = progress[0]
@@ -340,10 +396,16 @@ class TcpTransport:
             if served < len(items):
                 return ReadResult(ok, f"peer {peer} holds only {served} of {len(items)} blocks")
             return ReadResult(ok)
-        except (OSError, wire.PeerClosed, InvalidArgument) as exc:
+        except Exception as exc:  # a dead, slow or misbehaving peer (or a UCX error): a miss
             why = str(exc) or type(exc).__name__
-            log.warning(
-                "read from %s failed after %d verified blocks (%s): the rest are misses", peer, progress[0], why
+            expected = isinstance(exc, (OSError, InvalidArgument))  # PeerClosed, TimeoutError are OSErrors
+            log.log(
+                logging.WARNING if expected else logging.ERROR,
+                "read from %s failed after %d verified blocks (%s): the rest are misses",
+                peer,
+                progress[0],
+                why,
+                exc_info=not expected,
             )
             return ReadResult(progress[0], f"transfer from {peer} failed: {why}")
         finally:
@@ -357,12 +419,13 @@ class TcpTransport:
         metas: list[tuple[int, int]],
         dst: Sequence[np.ndarray],
         progress: list[int],
+        deadline: float,
     ) -> int:
         """Receive each item into its destination and verify it; returns the first bad index or -1."""
         bad = -1
         for i, (length, checksum) in enumerate(metas):
             target = dst[i]
-            wire.recv_into_exact(sock, memoryview(target).cast("B"))  # type: ignore[arg-type]
+            wire.recv_into_exact(sock, memoryview(target).cast("B"), deadline)  # type: ignore[arg-type]
             if bad < 0:
                 if checksum64(target) != checksum:
                     bad = i
@@ -378,10 +441,11 @@ class TcpTransport:
     def write(self, peer: str, namespace: bytes, keys: Sequence[bytes], rows: np.ndarray) -> WriteResult:
         if rows.ndim != 2 or rows.dtype != np.uint8 or rows.shape[0] != len(keys):
             raise InvalidArgument("rows must be a [n, block_bytes] uint8 array, one row per key")
+        deadline = time.monotonic() + self.timeout_s  # timeout_s bounds the whole write
         totals = [0, 0, 0, 0]
         for start in range(0, len(keys), wire.MAX_ITEMS):
             result = self._write_chunk(
-                peer, namespace, keys[start : start + wire.MAX_ITEMS], rows[start : start + wire.MAX_ITEMS]
+                peer, namespace, keys[start : start + wire.MAX_ITEMS], rows[start : start + wire.MAX_ITEMS], deadline
             )
             for j, v in enumerate((result.stored, result.already_present, result.in_flight, result.checksum_failed)):
                 totals[j] += v
@@ -389,25 +453,35 @@ class TcpTransport:
                 return WriteResult(totals[0], totals[1], totals[2], totals[3], reason=result.reason)
         return WriteResult(totals[0], totals[1], totals[2], totals[3])
 
-    def _write_chunk(self, peer: str, namespace: bytes, keys: Sequence[bytes], rows: np.ndarray) -> WriteResult:
+    def _write_chunk(
+        self, peer: str, namespace: bytes, keys: Sequence[bytes], rows: np.ndarray, deadline: float
+    ) -> WriteResult:
         sock: socket.socket | None = None
         try:
-            sock = self._take(peer)
-            sock.settimeout(self.timeout_s)
+            sock = self._take(peer, deadline)
             block_bytes = rows.shape[1]
             items = b"".join(wire.WRITE_ITEM.pack(k, checksum64(rows[i])) for i, k in enumerate(keys))
-            sock.sendall(wire.pack_header(wire.OP_WRITE, len(keys), namespace) + wire.U64.pack(block_bytes) + items)
+            wire.send_all(
+                sock,
+                wire.pack_header(wire.OP_WRITE, len(keys), namespace) + wire.U64.pack(block_bytes) + items,
+                deadline,
+            )
             for i in range(len(keys)):
-                sock.sendall(memoryview(rows[i]))  # type: ignore[arg-type]
-            status, _, message = wire.recv_reply(sock)
+                wire.send_all(sock, memoryview(rows[i]), deadline)  # type: ignore[arg-type]
+            status, _, message = wire.recv_reply(sock, deadline)
             if status != wire.STATUS_OK:
                 return WriteResult(0, 0, 0, 0, reason=f"peer {peer} refused the write: {message}")
-            counts = wire.WRITE_COUNTS.unpack(wire.recv_exact(sock, wire.WRITE_COUNTS.size))
+            counts = wire.WRITE_COUNTS.unpack(wire.recv_exact(sock, wire.WRITE_COUNTS.size, deadline))
+            if sum(counts) > len(keys):
+                raise ProtocolViolation(f"peer {peer} reports {counts} outcomes for a write of {len(keys)} blocks")
             self._give(peer, sock)
             sock = None
             return WriteResult(*counts)
-        except (OSError, wire.PeerClosed, InvalidArgument) as exc:
-            log.warning("write to %s failed (%s): nothing of this batch is known to be stored", peer, exc)
+        except Exception as exc:  # the outermost boundary of a write: a failure is "not stored"
+            if isinstance(exc, (OSError, InvalidArgument)):
+                log.warning("write to %s failed (%s): nothing of this batch is known to be stored", peer, exc)
+            else:
+                log.exception("write to %s failed unexpectedly: nothing of this batch is known to be stored", peer)
             return WriteResult(0, 0, 0, 0, reason=f"transfer to {peer} failed: {exc or type(exc).__name__}")
         finally:
             if sock is not None:

@@ -163,21 +163,22 @@ class UcxTransport(TcpTransport):
         self._links: dict[socket.socket, _Link] = {}
         _context()
 
-    def _take(self, peer: str) -> socket.socket:
-        sock = super()._take(peer)
+    def _take(self, peer: str, deadline: float | None = None) -> socket.socket:
+        sock = super()._take(peer, deadline)
         if sock in self._links:
             return sock
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         try:
             link = _Link()
             mine = link.address
-            sock.settimeout(self.timeout_s)
-            sock.sendall(wire.pack_header(wire.OP_UCX_HELLO, len(mine), b"\0" * 16) + mine)
-            status, count, message = wire.recv_reply(sock)
+            wire.send_all(sock, wire.pack_header(wire.OP_UCX_HELLO, len(mine), b"\0" * 16) + mine, deadline)
+            status, count, message = wire.recv_reply(sock, deadline)
             if status != wire.STATUS_OK:
                 raise InvalidArgument(
                     f"peer {peer} refused the UCX upgrade: {message}", hint="run it with --transport ucx"
                 )
-            link.connect(wire.recv_exact(sock, count))
+            link.connect(wire.recv_exact(sock, count, deadline))
         except BaseException:
             sock.close()
             raise
@@ -192,12 +193,13 @@ class UcxTransport(TcpTransport):
         metas: list[tuple[int, int]],
         dst: Sequence[np.ndarray],
         progress: list[int],
+        deadline: float,
     ) -> int:
         with self._lock:
             link = self._links[sock]
         base = link.take_tag_base()
         requests = [link.endpoint.tag_recv(Array(dst[i]), tag=ucx_api.UCXXTag(base | i)) for i in range(len(metas))]
-        link.wait(requests, time.monotonic() + self.timeout_s)  # TimeoutError -> the caller drops the connection
+        link.wait(requests, deadline)  # the read's one deadline; TimeoutError -> the caller drops the connection
         for i, (length, checksum) in enumerate(metas):
             if checksum64(dst[i]) != checksum:
                 return i

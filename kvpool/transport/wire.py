@@ -8,16 +8,25 @@
            reply   : ReplyHeader(status, count=0, message_len) + message + WriteCounts
 
 A full-block read carries the checksum the writer computed (verified at commit), so the
-check on arrival is end to end. A byte-range read carries a checksum of that range computed
-by the server from the leased bytes: it covers the wire. ``m`` < ``n`` when the node holds
-only a prefix of the keys; the rest are misses.
+check on arrival is end to end. For a byte-range read the server first verifies the WHOLE
+block in its arena against that committed checksum (one xxh3 per block; a block that rotted
+after commit ends the reply there: it and every later item are misses, logged), then sends
+the range with a fresh xxh3 of the range, which covers the wire. ``m`` < ``n`` when the node
+holds only a prefix of the keys; the rest are misses.
+
+Everything a peer sends is bounds-checked on arrival: a reply with more items than asked
+(``m`` > ``n``), a length that is not the destination's, or write counts beyond the batch is a
+protocol error: the reader drops the connection and the request is a miss. A reader's or
+writer's ``timeout_s`` is one deadline for the whole request; each recv / send waits only
+the time left before it.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from kvpool.core.errors import InvalidArgument
 
@@ -51,21 +60,49 @@ class PeerClosed(ConnectionError):
     """The peer closed the connection mid-frame."""
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def time_left(deadline: float | None, clock: Callable[[], float] = time.monotonic) -> float | None:
+    """Seconds left before ``deadline`` (a ``time.monotonic()`` value; None = no deadline).
+
+    Raises ``TimeoutError`` once it has passed: the deadline bounds a whole request, so a
+    peer that trickles bytes (each recv well inside the timeout) still runs out of time."""
+    if deadline is None:
+        return None
+    left = deadline - clock()
+    if left <= 0:
+        raise TimeoutError("the transfer ran past its deadline")
+    return left
+
+
+def arm(sock: socket.socket, deadline: float | None) -> None:
+    """Set the socket timeout to the time left before ``deadline`` (no-op without one)."""
+    left = time_left(deadline)
+    if left is not None:
+        sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket (no intermediate copy)."""
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from the socket (no intermediate copy). With a ``deadline`` each recv
+    waits at most the time left before it: the whole fill is bounded, not each recv."""
     got = 0
     total = len(view)
     while got < total:
+        arm(sock, deadline)
         n = sock.recv_into(view[got:], total - got)
         if n == 0:
             raise PeerClosed(f"peer closed after {got} of {total} bytes")
         got += n
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float | None = None) -> None:
+    """``sendall`` bounded by ``deadline`` (Python's ``sendall`` timeout covers the whole call)."""
+    arm(sock, deadline)
+    sock.sendall(data)
 
 
 def pack_header(op: int, count: int, namespace: bytes) -> bytes:
@@ -92,13 +129,13 @@ def pack_reply(status: int, count: int, message: str = "") -> bytes:
     return REPLY.pack(MAGIC, VERSION, status, 0, count, len(text)) + text
 
 
-def recv_reply(sock: socket.socket) -> tuple[int, int, str]:
-    magic, version, status, _flags, count, msg_len = REPLY.unpack(recv_exact(sock, REPLY.size))
+def recv_reply(sock: socket.socket, deadline: float | None = None) -> tuple[int, int, str]:
+    magic, version, status, _flags, count, msg_len = REPLY.unpack(recv_exact(sock, REPLY.size, deadline))
     if magic != MAGIC or version != VERSION:
         raise InvalidArgument(f"bad reply header {magic!r} v{version}")
     if msg_len > MAX_MESSAGE or count > MAX_ITEMS:
         raise InvalidArgument("reply header out of bounds")
-    message = recv_exact(sock, msg_len).decode("utf-8", "replace") if msg_len else ""
+    message = recv_exact(sock, msg_len, deadline).decode("utf-8", "replace") if msg_len else ""
     return status, count, message
 
 
