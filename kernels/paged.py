@@ -35,8 +35,12 @@ per-token oracle, exist because each wins somewhere (figures in docs/engine.md):
   strided view of the blocks; scatter is one numpy fancy-index assignment from a strided view
   (numpy moves whole rows with memcpy; torch's ``index_copy_`` was ~3x slower; the "rows"
   scatter's ``head_dim``-element rows were slower still for NHD).
-* "staged" (other devices): page rows into a small scratch that stays in cache, then one
-  transpose copy; scatter transposes into a scratch in page order, then writes whole page rows.
+* "staged" (other devices without Triton): page rows into a small scratch that stays in cache,
+  then one transpose copy; scatter transposes into a scratch in page order, then writes whole
+  page rows.
+* "triton" ("auto" on CUDA tensors when triton is installed; on CPU only when asked for, under
+  Triton's interpreter, which is how it is tested): one kernel launch per layer moves every
+  (block, k|v, head) tile in one pass, see ``kvpool.kernels.paged_triton``.
 
 "rows" and "direct" run layers on ``torch.get_num_threads()`` Python threads for calls of at
 least ``PARALLEL_MIN_BYTES`` (torch and numpy release the GIL while copying; these per-layer
@@ -57,6 +61,7 @@ import torch
 
 from kvpool.core.errors import InvalidArgument, SpecMismatch
 from kvpool.core.spec import KVSpec
+from kvpool.kernels import paged_triton
 
 ORDERS = ("NHD", "HND")
 
@@ -215,7 +220,7 @@ def _write_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> Non
         dst.index_copy_(0, rows, src)
 
 
-STRATEGIES = ("auto", "direct", "staged", "rows", "runs")
+STRATEGIES = ("auto", "direct", "staged", "rows", "runs", "triton")
 
 #: Below this many bytes per call, starting worker threads (~0.1 ms) costs more than it saves.
 PARALLEL_MIN_BYTES = 4 << 20
@@ -231,6 +236,19 @@ def _direct(strategy: str, cache: torch.Tensor) -> bool:
     if strategy in ("direct", "rows", "runs") and cache.device.type != "cpu":
         raise InvalidArgument(f"the {strategy} strategy runs on CPU tensors only", hint="use 'auto' or 'staged'")
     return strategy != "staged" and cache.device.type == "cpu"
+
+
+def _use_triton(strategy: str, cache: torch.Tensor) -> bool:
+    """The Triton kernels run when asked for ("triton": CUDA, or CPU under Triton's interpreter)
+    and for "auto" on CUDA tensors when triton is installed. CPU "auto" never takes them."""
+    if strategy == "triton":
+        if not paged_triton.available(cache.device):
+            raise InvalidArgument(
+                f"the triton strategy cannot run on {cache.device} tensors here",
+                hint="install triton and use CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), or use 'auto'",
+            )
+        return True
+    return strategy == "auto" and cache.device.type == "cuda" and paged_triton.available(cache.device)
 
 
 def _block_runs(table: torch.Tensor, num_blocks: int, ppb: int) -> list[tuple[int, int, int]] | None:
@@ -386,9 +404,11 @@ def gather_blocks(
     "runs" (consecutive page ids: one strided copy per run and layer; CPU), "rows" (one numpy
     ``take`` of whole contiguous rows per block and layer, straight into the block; CPU),
     "direct" (``index_select`` straight into a strided view of the blocks, per layer and page
-    slot; CPU), "staged" (rows into a small scratch, then one transpose copy; used on other
-    devices), "auto" picks by device, page table and thread count. ``workers``: CPU threads
-    over layers (None: torch's thread count for calls of at least ``PARALLEL_MIN_BYTES``, else one).
+    slot; CPU), "staged" (rows into a small scratch, then one transpose copy; other devices
+    without Triton), "triton" (``paged_triton``: one kernel launch per layer; CUDA, or CPU under
+    Triton's interpreter), "auto" picks by device, page table and thread count (CUDA with triton
+    installed: "triton"). ``workers``: CPU threads over layers (None: torch's thread count for
+    calls of at least ``PARALLEL_MIN_BYTES``, else one).
     """
     num_pages = check_caches(spec, layout, kv_caches)
     _block_view(out, spec, num_blocks)
@@ -400,6 +420,24 @@ def gather_blocks(
     t, d = spec.block_tokens, spec.head_dim
     if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_pages):
         raise InvalidArgument(f"page ids must lie in [0, {num_pages})")
+    if _use_triton(strategy, kv_caches[0]):
+        cache0 = kv_caches[0]
+        same = out.device == cache0.device and out.dtype == cache0.dtype
+        # else gather on the cache's device, then one copy (converting dtype like the torch paths)
+        dst = out if same else torch.empty(num_blocks, *spec.block_shape, dtype=cache0.dtype, device=cache0.device)
+        paged_triton.gather(
+            kv_caches,
+            table,
+            dst,
+            num_blocks,
+            order=layout.order,
+            page_tokens=layout.page_tokens,
+            head_start=h0,
+            heads=hn,
+        )
+        if not same:
+            out[:num_blocks, :, :, h0 : h0 + hn].copy_(dst[:, :, :, h0 : h0 + hn])
+        return
     if _direct(strategy, kv_caches[0]) and bpp == 1:
         path, runs = _pick_cpu(
             strategy,
@@ -496,7 +534,8 @@ def scatter_blocks(
     strided copy per layer; "direct" writes each page slot of every block with one numpy
     fancy-index assignment from a strided view (CPU only); "staged" transposes a chunk into page
     order first, then writes whole page rows; "rows" writes the rows of one block and layer with
-    one numpy fancy-index assignment (the inverse of the "rows" gather).
+    one numpy fancy-index assignment (the inverse of the "rows" gather); "triton" runs the
+    ``paged_triton`` scatter kernel.
     ``workers`` as for ``gather_blocks``.
 
     When one engine page holds several pool blocks, a page is written only where its tokens
@@ -516,6 +555,11 @@ def scatter_blocks(
     kvf, h0, hn = spec.kv_factor, layout.head_start, layout.num_kv_heads
     t, d, p = spec.block_tokens, spec.head_dim, layout.page_tokens
     src_all = blocks.to(device) if blocks.device != device else blocks
+    if _use_triton(strategy, kv_caches[0]):
+        paged_triton.scatter(
+            src_all, kv_caches, table, num_blocks, order=layout.order, page_tokens=p, head_start=h0, heads=hn
+        )
+        return
     if _direct(strategy, kv_caches[0]) and bpp == 1:
         path, runs = _pick_cpu(
             strategy,
