@@ -104,6 +104,18 @@ class DeviceTier:
         with self._lock:
             return key in self._index
 
+    def meta(self, key: bytes) -> tuple[bytes, int, int] | None:
+        """(namespace, size, checksum) of a held block, None if absent: what a caller needs to
+        describe the block (a detached ``Entry``, a namespace check) without copying it out."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else (entry.namespace, entry.size, entry.checksum)
+
+    def keys(self) -> list[bytes]:
+        """Every held key (snapshots of the node's contents)."""
+        with self._lock:
+            return list(self._index)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)

@@ -102,6 +102,18 @@ class TieredStore:
         self._host_hits: dict[bytes, int] = {}
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._device_demoted: list[tuple[bytes, bytes, int, np.ndarray]] = []
+        # device demotions a drain has taken off ``_device_demoted`` and not finished: key -> count
+        self._draining: dict[bytes, int] = {}
+        # Removal fences. A promotion (lower tier -> host) or a device demotion reads a block
+        # outside every lock and commits it into host later; a remove() in between must win.
+        # The mover records ``_removal_seq`` before it reads and, before and after its commit,
+        # asks ``_removed_since``: a key is fenced while a remove() works on it
+        # (``_removing``) and once one finished after the mover started (``_removed_seq``,
+        # kept only while some mover is in flight, so it stays bounded).
+        self._removal_seq = 0
+        self._removing: dict[bytes, int] = {}
+        self._removed_seq: dict[bytes, int] = {}
+        self._movers = 0
         self.host_stats = HostTierStats()
         # per-block host hit counts feed second-hit admission and device promotion only
         self._count_hits = tiers.disk_admission == "second-hit" or tiers.device_capacity_bytes > 0
@@ -221,23 +233,58 @@ class TieredStore:
     def put_abort(self, put_id: int) -> None:
         self.host.put_abort(put_id)
 
+    def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
+        """Pass-through to ``HostStore.write_slot`` (put slots are host slots; ``slot`` indexes
+        the grant's ``slots``, whose order this class keeps when it remaps request indices)."""
+        return self.host.write_slot(put_id, slot, data)
+
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Remove blocks from every tier."""
-        in_host = {key for key in keys if self.host.entry(key) is not None}
-        self.host.remove(keys)
+        """Remove blocks from every tier, including device evictions still on their way to
+        host; a promotion or demotion in flight sees the removal fence and does not commit."""
         unique = list(dict.fromkeys(keys))
-        below: set[bytes] = set()
-        if self.device is not None:
-            below.update(key for key in unique if self.device.remove(key))
-        if self.disk is not None:
-            below.update(self.disk.remove(unique))
-        below_only = [key for key in unique if key in below and key not in in_host]
         with self._lock:
-            for key in keys:
-                self._host_hits.pop(key, None)
-        if below_only:
-            self._emit(EventKind.REMOVED, below_only, b"")
-        return len(in_host) + len(below_only)
+            for key in unique:
+                self._removing[key] = self._removing.get(key, 0) + 1
+        try:
+            in_host = {key for key in unique if self.host.entry(key) is not None}
+            self.host.remove(keys)
+            below: set[bytes] = set()
+            if self.device is not None:
+                below.update(key for key in unique if self.device.remove(key))
+            if self.disk is not None:
+                below.update(self.disk.remove(unique))
+            wanted = set(unique)
+            with self._lock:
+                for key in unique:
+                    self._host_hits.pop(key, None)
+                # evicted from HBM, not yet back in host: only the demotion queue holds them
+                if self._device_demoted:
+                    kept = [item for item in self._device_demoted if item[0] not in wanted]
+                    below.update(item[0] for item in self._device_demoted if item[0] in wanted)
+                    self._device_demoted = kept
+                below.update(key for key in unique if key in self._draining)  # the fence stops them
+            below_only = [key for key in unique if key in below and key not in in_host]
+            if below_only:
+                self._emit(EventKind.REMOVED, below_only, b"")
+                # this REMOVED is sent outside the tiers' locks: a client put that committed
+                # the key again after the removal may have announced it first, so say again
+                # where it lives now (a put after this check sends its own STORED later)
+                for key in below_only:
+                    entry = self.entry(key)
+                    if entry is not None:
+                        self._emit(EventKind.STORED, [key], entry.namespace, self.tier_of(key) or "host")
+            return len(in_host) + len(below_only)
+        finally:
+            with self._lock:
+                self._removal_seq += 1
+                for key in unique:
+                    left = self._removing[key] - 1
+                    if left:
+                        self._removing[key] = left
+                    else:
+                        del self._removing[key]
+                    if self._movers:
+                        self._removed_seq[key] = self._removal_seq
 
     def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
         """Pins hold host blocks (pinned blocks are the ones worth keeping in DRAM): a block
@@ -262,6 +309,8 @@ class TieredStore:
 
     def snapshot_keys(self) -> list[bytes]:
         keys = dict.fromkeys(self.host.snapshot_keys())
+        if self.device is not None:  # device-only blocks were announced (STORED device)
+            keys.update(dict.fromkeys(self.device.keys()))
         if self.disk is not None:
             keys.update(dict.fromkeys(self.disk.keys()))
         return list(keys)
@@ -280,9 +329,11 @@ class TieredStore:
         """The host entry; for a block only a lower tier holds, a detached ``Entry`` with
         ``offset == -1`` (namespace, size and checksum are right; it has no arena slot)."""
         found = self.host.entry(key)
-        if found is not None or self.disk is None:
+        if found is not None:
             return found
-        meta = self.disk.meta(key)
+        meta = self.device.meta(key) if self.device is not None else None
+        if meta is None and self.disk is not None:
+            meta = self.disk.meta(key)
         if meta is None:
             return None
         namespace, size, checksum = meta
@@ -347,9 +398,36 @@ class TieredStore:
             self.disk is not None and self.disk.contains(key)
         )
 
+    def _start_move(self) -> int:
+        """Register a promotion/demotion in flight; returns the removal fence to check against."""
+        with self._lock:
+            self._movers += 1
+            return self._removal_seq
+
+    def _end_move(self) -> None:
+        with self._lock:
+            self._movers -= 1
+            if not self._movers:
+                self._removed_seq.clear()  # movers starting later read after those removals
+
+    def _removed_since(self, keys: Sequence[bytes], since: int) -> list[bytes]:
+        """The keys a remove() is working on, or finished after fence ``since``."""
+        with self._lock:
+            return [k for k in keys if k in self._removing or self._removed_seq.get(k, -1) > since]
+
     def _promote(self, keys: list[bytes]) -> tuple[int, set[bytes]]:
         """Bring the leading run of ``keys`` held by the device or disk tier into host.
         Returns (how many leading keys are now in host, the keys this call committed)."""
+        since = self._start_move()
+        try:
+            return self._promote_fenced(keys, since)
+        finally:
+            self._end_move()
+
+    def _promote_fenced(self, keys: list[bytes], since: int) -> tuple[int, set[bytes]]:
+        """``_promote`` after the fence is taken. The bytes may still serve a lease already
+        in flight, but a block removed meanwhile is not committed (no STORED), and one
+        removed between the check and the commit is removed again right after it."""
         run: list[bytes] = []
         for key in keys:
             if not self._lower_has(key):
@@ -382,6 +460,9 @@ class TieredStore:
                     self.host_stats.checksum_failures += 1
                 break
             good.append(block)
+        fenced = set(self._removed_since([b.key for b in good], since))
+        if fenced:  # removed after this promotion started: the read must not bring it back
+            good = good[: next(i for i, b in enumerate(good) if b.key in fenced)]
         if not good:
             return 0, set()
         size = int(good[0].data.size)
@@ -396,13 +477,22 @@ class TieredStore:
         for index, offset in grant.slots:
             self._buffer[offset : offset + size] = good[index].data
             checksums.append(good[index].checksum)
+        written = {good[index].key for index, _ in grant.slots}
         committed = 0
         if grant.put_id:
+            if self._removed_since(list(written), since):
+                self.host.put_abort(grant.put_id)  # a remove() landed during the copy
+                return 0, set()
             committed = self.host.put_commit(grant.put_id, checksums).committed
         with self._lock:
             self.host_stats.promotions += committed
             self.host_stats.bytes_in += committed * size
-        written = {good[index].key for index, _ in grant.slots}
+        fenced = set(self._removed_since(list(written), since)) if committed else set()
+        if fenced:
+            # a remove() raced the commit: whichever ran first, remove again so the block is
+            # gone and its last event is REMOVED (the host's own REMOVED when it is found)
+            self.remove(list(fenced))
+            return self.host.lookup([b.key for b in good]), written - fenced
         if committed < len(written):
             written = {key for key in written if self.host.entry(key) is not None}
         return committed + len(grant.already_present), written
@@ -504,25 +594,60 @@ class TieredStore:
         if self.device is None:
             return
         with self._lock:
+            if not self._device_demoted:
+                return
             pending, self._device_demoted = self._device_demoted, []
-        for key, namespace, checksum, data in pending:
-            if self.host.entry(key) is not None or self.device.contains(key):
-                continue  # the last event already named a faster tier
-            if self.disk is not None and self.disk.contains(key):
-                self._emit(EventKind.STORED, [key], namespace, "disk")  # only the disk copy is left
-                continue
-            if checksum64(data) != checksum:
-                self._emit(EventKind.REMOVED, [key], namespace)
-                continue
-            try:
-                grant = self.host.put_start(namespace, [key], int(data.size))
-            except KVPoolError:
-                self._emit(EventKind.REMOVED, [key], namespace)
-                continue
-            for _, offset in grant.slots:
-                self._buffer[offset : offset + data.size] = data
-            if grant.put_id:  # the host's STORED event (tier "host") reports the move
-                self.host.put_commit(grant.put_id, [checksum])
+            for key, *_ in pending:
+                self._draining[key] = self._draining.get(key, 0) + 1
+            # fence in the same critical section: a remove() that sees these keys in
+            # ``_draining`` is then seen by ``_removed_since`` whenever it finishes
+            self._movers += 1
+            since = self._removal_seq
+        try:
+            for key, namespace, checksum, data in pending:
+                try:
+                    self._demote_to_host(key, namespace, checksum, data, since)
+                finally:
+                    with self._lock:
+                        left = self._draining[key] - 1
+                        if left:
+                            self._draining[key] = left
+                        else:
+                            del self._draining[key]
+        finally:
+            self._end_move()
+
+    def _demote_to_host(self, key: bytes, namespace: bytes, checksum: int, data: np.ndarray, since: int) -> None:
+        """Put one block evicted from HBM back into host, unless a faster copy exists or a
+        remove() fenced it (that remove counted it and sent REMOVED)."""
+        assert self.device is not None
+        if self.host.entry(key) is not None or self.device.contains(key):
+            return  # the last event already named a faster tier
+        if self._removed_since([key], since):
+            return
+        if self.disk is not None and self.disk.contains(key):
+            self._emit(EventKind.STORED, [key], namespace, "disk")  # only the disk copy is left
+            if self._removed_since([key], since) and not self.tier_of(key):
+                self._emit(EventKind.REMOVED, [key], namespace)  # a remove() overtook the STORED
+            return
+        if checksum64(data) != checksum:
+            self._emit(EventKind.REMOVED, [key], namespace)
+            return
+        try:
+            grant = self.host.put_start(namespace, [key], int(data.size))
+        except KVPoolError:
+            self._emit(EventKind.REMOVED, [key], namespace)
+            return
+        for _, offset in grant.slots:
+            self._buffer[offset : offset + data.size] = data
+        if not grant.put_id:
+            return
+        if self._removed_since([key], since):
+            self.host.put_abort(grant.put_id)
+            return
+        self.host.put_commit(grant.put_id, [checksum])  # the host's STORED (tier "host") reports it
+        if self._removed_since([key], since):
+            self.remove([key])  # the remove raced the commit: it must stick, REMOVED last
 
     def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
         if self._on_event is not None:

@@ -1,5 +1,6 @@
-"""Review findings on TieredStore / DiskTier (storage/tiered_store.py, storage/disk_tier.py),
-strict xfail until fixed."""
+"""Regression tests for review findings on TieredStore (storage/tiered_store.py,
+storage/device_tier.py): removals racing a device demotion or a disk promotion, and
+device-only blocks seen through ``entry()`` / the data plane."""
 
 from __future__ import annotations
 
@@ -60,12 +61,6 @@ def device_store() -> Iterator[Store]:
     s.store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: TieredStore.remove ignores blocks evicted from the device tier and queued in "
-    "_device_demoted but not yet drained: remove() reports 0 and sends no REMOVED, and the next "
-    "_drain_device_demotions re-inserts the removed block into host (it comes back to lookups)",
-)
 def test_remove_sticks_for_a_block_whose_device_demotion_is_pending(device_store: Store) -> None:
     s = device_store
     victim = 0
@@ -116,12 +111,6 @@ def disk_store(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]
     s.store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: TieredStore.lease promotes a disk block into host after disk.read_many released "
-    "the disk lock; a remove() landing in between deletes it from disk (REMOVED event, count 1) and "
-    "then the promotion commits it into host: the removed block is back in lookups and re-announced STORED",
-)
 def test_remove_during_promotion_from_disk_sticks(disk_store: Store) -> None:
     s = disk_store
     victim = 0
@@ -152,13 +141,6 @@ def test_remove_during_promotion_from_disk_sticks(disk_store: Store) -> None:
     assert last is EventKind.REMOVED, "subscribers were told the removed block is stored again"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: TieredStore.entry returns a detached Entry only for disk blocks, not for blocks only "
-    "the device tier holds (its docstring promises one for any lower tier); NodeBlockStore.lease "
-    "checks entry() first, so a remote data-plane read of a device-resident block is always a "
-    "miss although lookup() and the STORED(tier='device') event say the node holds it",
-)
 def test_entry_of_a_device_only_block(device_store: Store) -> None:
     s = device_store
     victim = 0
@@ -169,17 +151,110 @@ def test_entry_of_a_device_only_block(device_store: Store) -> None:
     assert s.store.tier_of(key(victim)) == "device"
     assert s.store.lookup([key(victim)]) == 1
     assert (EventKind.STORED, key(victim), "device") in s.events
-    # the data plane's view of the node (what a remote peer's READ goes through)
-    from types import SimpleNamespace
-
-    from kvpool.daemon.cluster_node import NodeBlockStore
-
-    remote = NodeBlockStore(SimpleNamespace(store=s.store))  # type: ignore[arg-type]
-    leased = remote.lease(NS, [key(victim)])
-    if leased.lease_id:
-        s.store.release(leased.lease_id)
-    assert len(leased.locations) == 1, "a remote read of a block the node advertises is a miss"
+    # the detached entry: no arena slot, but namespace, size and checksum of the HBM copy
     entry = s.store.entry(key(victim))
     assert entry is not None, "lookup() counts the block but entry() does not know it"
     assert entry.offset == -1 and entry.namespace == NS and entry.size == BLOCK
     assert entry.checksum == checksum64(data(victim))
+    assert s.store.entry(key(99999)) is None
+    assert key(victim) in s.store.snapshot_keys(), "snapshots must list what the events announced"
+    # the data plane's view of the node (what a remote peer's READ goes through): the lease
+    # promotes the block from HBM (verified) into host and serves the right bytes
+    from types import SimpleNamespace
+
+    from kvpool.daemon.cluster_node import NodeBlockStore
+
+    assert s.store.device is not None
+    device_hits = s.store.device.stats.hits
+    remote = NodeBlockStore(SimpleNamespace(store=s.store))  # type: ignore[arg-type]
+    assert remote.lease(bytes(16), [key(victim)]).locations == [], "another namespace must not read it"
+    leased = remote.lease(NS, [key(victim)])
+    assert len(leased.locations) == 1, "a remote read of a block the node advertises is a miss"
+    offset, size, checksum = leased.locations[0]
+    assert size == BLOCK and checksum == checksum64(data(victim))
+    assert np.array_equal(s.buffer[offset : offset + size], data(victim))
+    assert s.store.device.stats.hits == device_hits + 1, "the bytes came from the device tier"
+    assert leased.lease_id
+    s.store.release(leased.lease_id)
+    assert s.store.tier_of(key(victim)) == "host"
+
+
+def _leave_only_in_device(s: Store, victim: int) -> None:
+    s.put([victim])
+    assert s.hit([victim]) == 1 and s.hit([victim]) == 1  # second hit copies it to the device
+    s.put(list(range(1000, 1128)))
+    s.put(list(range(2000, 2128)))  # and it leaves host
+    assert s.store.tier_of(key(victim)) == "device"
+
+
+def _cycle_device(s: Store) -> None:
+    """40 hot blocks overflow the 32-block device tier: its evictions demote through
+    ``_drain_device_demotions``."""
+    hot = list(range(3000, 3040))
+    for start in range(0, len(hot), 8):
+        batch = hot[start : start + 8]
+        s.put(batch)
+        s.hit(batch)
+        s.hit(batch)
+
+
+@pytest.mark.parametrize("hook", ["put_start", "put_commit"])
+def test_remove_while_the_drain_moves_the_block_into_host(device_store: Store, hook: str) -> None:
+    """The drain has taken the victim off the demotion queue and is putting it into host
+    (before the commit check, or between the check and the commit): remove() counts it,
+    and the drain either does not commit or removes it again, so REMOVED is last."""
+    s = device_store
+    victim = 0
+    removed: list[int] = []
+    host = s.store.host
+    original = getattr(host, hook)
+    keys_of_put: dict[int, list[bytes]] = {}
+    start = host.put_start
+
+    def tracking_start(namespace, keys, block_bytes):  # type: ignore[no-untyped-def]
+        grant = start(namespace, keys, block_bytes)
+        keys_of_put[grant.put_id] = list(keys)
+        if hook == "put_start" and list(keys) == [key(victim)] and not removed:
+            removed.append(s.store.remove([key(victim)]))
+        return grant
+
+    def racing_commit(put_id, checksums):  # type: ignore[no-untyped-def]
+        if keys_of_put.get(put_id) == [key(victim)] and not removed:
+            removed.append(s.store.remove([key(victim)]))
+        return original(put_id, checksums)
+
+    _leave_only_in_device(s, victim)
+    host.put_start = tracking_start  # type: ignore[method-assign]
+    if hook == "put_commit":
+        host.put_commit = racing_commit  # type: ignore[method-assign]
+    _cycle_device(s)
+    assert removed == [1], "remove() must count the block the drain holds"
+    assert s.store.lookup([key(victim)]) == 0 and s.store.tier_of(key(victim)) == ""
+    last = [kind for kind, k, _ in s.events if k == key(victim)][-1]
+    assert last is EventKind.REMOVED
+    assert not s.store._draining and not s.store._removing and not s.store._removed_seq
+
+
+def test_remove_between_the_check_and_the_commit_of_a_promotion(disk_store: Store) -> None:
+    """A remove() that lands after the promotion's last check, right before its commit: the
+    promotion removes the block again after committing, so it is gone and REMOVED is last."""
+    s = disk_store
+    victim = 0
+    s.put([victim])
+    s.put(list(range(1000, 1128)))
+    assert s.store.flush() and s.store.tier_of(key(victim)) == "disk"
+    removed: list[int] = []
+    original = s.store.host.put_commit
+
+    def remove_then_commit(put_id, checksums):  # type: ignore[no-untyped-def]
+        if not removed:
+            removed.append(s.store.remove([key(victim)]))
+        return original(put_id, checksums)
+
+    s.store.host.put_commit = remove_then_commit  # type: ignore[method-assign]
+    s.hit([victim])
+    assert removed == [1]
+    assert s.store.lookup([key(victim)]) == 0 and s.store.tier_of(key(victim)) == ""
+    kinds = [(kind, tier) for kind, k, tier in s.events if k == key(victim)]
+    assert kinds[-2:] == [(EventKind.STORED, "host"), (EventKind.REMOVED, "host")], kinds
+    assert not s.store._removing and not s.store._removed_seq
