@@ -7,7 +7,8 @@ and then the bytes straight out of the mapped arena (``sendall`` of a memoryview
 copy in Python), and releases the lease. Client: a small pool of persistent connections
 per peer; bytes are received straight into the caller's buffer (``recv_into``) and each
 item is checksummed right after it lands, while the kernel keeps receiving the next
-(pipelined). Any failure is a miss logged with the peer's address.
+(pipelined). A pooled connection found dead before the reply (the peer restarted) is
+retried once on a fresh one; any other failure is a miss logged with the peer's address.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -191,7 +192,14 @@ class TcpDataServer:
                     )
                 )
                 return None
-        grant = self._store.lease(namespace, [key for key, _, _ in items])
+        try:
+            grant = self._store.lease(namespace, [key for key, _, _ in items])
+        except KVPoolError as err:
+            # every byte of the request was read: answer (the reader logs why and keeps the
+            # connection) instead of dropping it, which a reader could only call "peer closed"
+            status = wire.STATUS_FULL if isinstance(err, CapacityExhausted) else wire.STATUS_ERROR
+            conn.sendall(wire.pack_reply(status, 0, f"cannot lease the blocks: {err}"))
+            return None
         try:
             arena = self._store.arena()
             metas: list[bytes] = []
@@ -315,15 +323,50 @@ class TcpTransport:
         self._lock = threading.Lock()
         self.bytes_received = 0
 
-    def _take(self, peer: str, deadline: float | None = None) -> socket.socket:
-        with self._lock:
-            pool = self._idle.get(peer)
-            if pool:
-                return pool.pop()
+    def _take(self, peer: str, deadline: float | None = None, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection to ``peer`` and whether it came from the idle pool (``fresh``: never)."""
+        if not fresh:
+            with self._lock:
+                pool = self._idle.get(peer)
+                if pool:
+                    return pool.pop(), True
         left = wire.time_left(deadline)
         sock = socket.create_connection(split_address(peer), timeout=self.timeout_s if left is None else left)
         _tune(sock)
-        return sock
+        return sock, False
+
+    def _exchange(
+        self, peer: str, deadline: float, send: Callable[[socket.socket], None]
+    ) -> tuple[socket.socket, int, int, str]:
+        """Send a request and read its reply header: (socket, status, count, message).
+
+        A pooled connection may be dead without our knowing (the peer restarted, or closed it
+        idle): a connection error on one taken from the pool, before the reply header has
+        arrived, is retried once on a fresh connection. Nothing has been received into the
+        caller's buffers at that point, and writes are content-addressed (a block stored
+        twice is "already present"), so the retry cannot double anything. A timeout is not
+        retried: a slow live peer must not get the request twice. The pool's other idle
+        connections to that peer are dropped too (a restarted peer killed them all)."""
+        sock, pooled = self._take(peer, deadline)
+        try:
+            send(sock)
+            return (sock, *wire.recv_reply(sock, deadline))
+        except OSError as exc:
+            self._discard(sock)
+            if not pooled or isinstance(exc, TimeoutError):
+                raise
+            log.info("data plane: pooled connection to %s was dead (%s): retrying on a fresh one", peer, exc)
+        except BaseException:
+            self._discard(sock)
+            raise
+        self.drop_peer(peer)
+        sock, _ = self._take(peer, deadline, fresh=True)
+        try:
+            send(sock)
+            return (sock, *wire.recv_reply(sock, deadline))
+        except BaseException:
+            self._discard(sock)
+            raise
 
     def _give(self, peer: str, sock: socket.socket) -> None:
         with self._lock:
@@ -369,15 +412,16 @@ class TcpTransport:
         sock: socket.socket | None = None
         progress = [0]  # leading items verified so far (kept up to date for the failure path)
         try:
-            sock = self._take(peer, deadline)
             request = wire.pack_header(self.read_op, len(items), namespace) + wire.pack_read_items(
                 [(it.key, it.range_offset, it.range_length) for it in items]
             )
-            wire.send_all(sock, request, deadline)
-            status, served, message = wire.recv_reply(sock, deadline)
+            sock, status, served, message = self._exchange(
+                peer, deadline, lambda s: wire.send_all(s, request, deadline)
+            )
             if status != wire.STATUS_OK:
-                self._give(peer, sock)
+                self._give(peer, sock)  # a refusal is a whole reply: the stream is still in sync
                 sock = None
+                log.warning("read from %s refused (status %d): %s", peer, status, message)
                 return ReadResult(0, f"peer {peer} refused the read: {message}")
             if served > len(items):
                 raise ProtocolViolation(f"peer {peer} answers {served} items to a read of {len(items)}")
@@ -458,17 +502,16 @@ class TcpTransport:
     ) -> WriteResult:
         sock: socket.socket | None = None
         try:
-            sock = self._take(peer, deadline)
             block_bytes = rows.shape[1]
             items = b"".join(wire.WRITE_ITEM.pack(k, checksum64(rows[i])) for i, k in enumerate(keys))
-            wire.send_all(
-                sock,
-                wire.pack_header(wire.OP_WRITE, len(keys), namespace) + wire.U64.pack(block_bytes) + items,
-                deadline,
-            )
-            for i in range(len(keys)):
-                wire.send_all(sock, memoryview(rows[i]), deadline)  # type: ignore[arg-type]
-            status, _, message = wire.recv_reply(sock, deadline)
+            head = wire.pack_header(wire.OP_WRITE, len(keys), namespace) + wire.U64.pack(block_bytes) + items
+
+            def send(s: socket.socket) -> None:
+                wire.send_all(s, head, deadline)
+                for i in range(len(keys)):
+                    wire.send_all(s, memoryview(rows[i]), deadline)  # type: ignore[arg-type]
+
+            sock, status, _, message = self._exchange(peer, deadline, send)
             if status != wire.STATUS_OK:
                 return WriteResult(0, 0, 0, 0, reason=f"peer {peer} refused the write: {message}")
             counts = wire.WRITE_COUNTS.unpack(wire.recv_exact(sock, wire.WRITE_COUNTS.size, deadline))

@@ -5,17 +5,19 @@ the server creates an endpoint to it (endpoint error handling off, which is what
 UCX pick shared memory - sm/cma/posix - between processes of one host, and RDMA where
 the build has verbs) and answers with its own worker address. Reads then go as
 ``OP_READ_UCX``: the request, the reply header and every (length, checksum) travel on the
-TCP connection; the block bytes travel as one UCX tag message per item, received
-straight into the caller's buffer, all posted at once (pipelined) and checksummed on
-arrival. The server holds its store read lease until every send has completed.
+TCP connection; the block bytes travel as one UCX tag message per item, all posted at once
+(pipelined), received into a staging buffer the connection owns, checksummed there and
+only then copied into the caller's rows (one memcpy per block: a receive UCX has matched
+cannot be cancelled, so after a timeout late bytes could otherwise land in rows already
+reported as a miss). The server holds its store read lease until every send has completed.
 
 Each connection owns its own UCX worker, driven by the one thread that uses the
 connection at a time: the reader polls (the fastest way to complete a transfer), the
 server waits in the worker's epoll (blocking progress mode), so two spinning threads do
 not fight over the cores; on this 2-core machine that took 4 MiB reads from ~1 to ~3.5
 GB/s. Writes stay on the TCP path. A timeout cancels the outstanding
-receives and drops the connection (and its worker), so no late byte lands in a buffer
-the caller has been told is a miss.
+receives and drops the connection, its worker and its staging buffer: a late byte can only
+land in that buffer, never in one the caller has been told is a miss.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport
 log = logging.getLogger("kvpool.transport")
 
 BLOCKING_WAIT_MS = 5  # a blocking-mode worker re-checks its deadline at least this often
+CLOSE_DRAIN_S = 0.2  # how long closing a link progresses its worker so cancelled requests finish
+STAGING_KEEP_BYTES = 64 << 20  # a connection keeps a staging buffer up to this size between reads
 _context_lock = threading.Lock()
 _contexts: list[Any] = []
 
@@ -62,6 +66,8 @@ class _Link:
             self.worker.init_blocking_progress_mode()
         self.endpoint: Any = None
         self.next_tag = 1
+        self._staging = np.empty(0, dtype=np.uint8)
+        self._posted: list[Any] = []
         if peer_address is not None:
             self.connect(peer_address)
 
@@ -73,12 +79,31 @@ class _Link:
         addr = ucx_api.UCXAddress.create_from_buffer(peer_address)
         self.endpoint = ucx_api.UCXEndpoint.create_from_worker_address(self.worker, addr, False)
 
+    def staging(self, nbytes: int) -> np.ndarray:
+        """The link's private receive buffer, at least ``nbytes`` long.
+
+        Reads land here, never straight in the caller's rows: a receive UCX has already
+        matched cannot be cancelled (``ucp_request_cancel`` has no effect on it), and
+        ``cancel_inflight_requests`` only schedules the cancels, so after a timeout bytes
+        may still arrive. They then land in memory this link owns and that nobody reads
+        again (a timed-out link is dropped with it), not in rows reported as a miss. A
+        buffer beyond ``STAGING_KEEP_BYTES`` is let go after the read (``trim_staging``)."""
+        if self._staging.nbytes < nbytes:
+            self._staging = np.empty(nbytes, dtype=np.uint8)
+        return self._staging[:nbytes]
+
+    def trim_staging(self) -> None:
+        """Drop an oversized staging buffer; only once every receive into it has completed."""
+        if self._staging.nbytes > STAGING_KEEP_BYTES:
+            self._staging = np.empty(0, dtype=np.uint8)
+
     def take_tag_base(self) -> int:
         base = self.next_tag << 20
         self.next_tag += 1
         return base
 
     def wait(self, requests: list[Any], deadline: float) -> None:
+        self._posted = requests  # kept with the staging buffer they write to, for close()
         worker = self.worker
         while not all(r.completed for r in requests):
             if self.blocking:  # sleep in epoll instead of spinning (the server side)
@@ -88,15 +113,29 @@ class _Link:
                 worker.progress()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{sum(not r.completed for r in requests)} UCX transfers did not complete in time")
+        self._posted = []  # all finished: nothing writes to (or reads from) their buffers any more
         for request in requests:
             request.check_error()
 
     def close(self) -> None:
+        """Cancel what is still posted, then progress the worker (up to ``CLOSE_DRAIN_S``)
+        until those requests have finished.
+
+        ucxx tracks a request made through an endpoint on that *endpoint*:
+        ``worker.cancel_inflight_requests`` does not see it (it returns 0 and the receive stays
+        posted); ``endpoint.close_blocking`` cancels it (completes with ``UCXXCanceledError``).
+        A receive UCX has already matched cannot be cancelled and finishes (or not) on its
+        own: its bytes land in the staging buffer, never in the caller's rows."""
+        endpoint, self.endpoint = self.endpoint, None
         try:
+            if endpoint is not None:
+                endpoint.close_blocking()
             self.worker.cancel_inflight_requests(0, 3)
+            deadline = time.monotonic() + CLOSE_DRAIN_S
+            while not all(r.completed for r in self._posted) and time.monotonic() < deadline:
+                self.worker.progress()
         except Exception:  # already torn down
             pass
-        self.endpoint = None
 
 
 class UcxDataServer(TcpDataServer):
@@ -163,10 +202,10 @@ class UcxTransport(TcpTransport):
         self._links: dict[socket.socket, _Link] = {}
         _context()
 
-    def _take(self, peer: str, deadline: float | None = None) -> socket.socket:
-        sock = super()._take(peer, deadline)
+    def _take(self, peer: str, deadline: float | None = None, fresh: bool = False) -> tuple[socket.socket, bool]:
+        sock, pooled = super()._take(peer, deadline, fresh)
         if sock in self._links:
-            return sock
+            return sock, pooled
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         try:
@@ -184,7 +223,7 @@ class UcxTransport(TcpTransport):
             raise
         with self._lock:
             self._links[sock] = link
-        return sock
+        return sock, pooled
 
     def _receive(
         self,
@@ -198,14 +237,26 @@ class UcxTransport(TcpTransport):
         with self._lock:
             link = self._links[sock]
         base = link.take_tag_base()
-        requests = [link.endpoint.tag_recv(Array(dst[i]), tag=ucx_api.UCXXTag(base | i)) for i in range(len(metas))]
+        starts = [0]
+        for length, _ in metas:
+            starts.append(starts[-1] + length)
+        staging = link.staging(starts[-1])  # private: see _Link.staging for why not the caller's rows
+        requests = [
+            link.endpoint.tag_recv(Array(staging[starts[i] : starts[i + 1]]), tag=ucx_api.UCXXTag(base | i))
+            for i in range(len(metas))
+        ]
         link.wait(requests, deadline)  # the read's one deadline; TimeoutError -> the caller drops the connection
-        for i, (length, checksum) in enumerate(metas):
-            if checksum64(dst[i]) != checksum:
-                return i
-            progress[0] = i + 1
-            self.bytes_received += length
-        return -1
+        try:
+            for i, (length, checksum) in enumerate(metas):
+                landed = staging[starts[i] : starts[i + 1]]
+                if checksum64(landed) != checksum:
+                    return i
+                memoryview(dst[i]).cast("B")[:] = memoryview(landed)  # type: ignore[arg-type]
+                progress[0] = i + 1
+                self.bytes_received += length
+            return -1
+        finally:
+            link.trim_staging()  # every receive has completed: the buffer is free
 
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:
