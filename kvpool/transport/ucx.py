@@ -43,7 +43,9 @@ log = logging.getLogger("kvpool.transport")
 
 BLOCKING_WAIT_MS = 5  # a blocking-mode worker re-checks its deadline at least this often
 CLOSE_DRAIN_S = 0.2  # how long closing a link progresses its worker so cancelled requests finish
-STAGING_KEEP_BYTES = 64 << 20  # a connection keeps a staging buffer up to this size between reads
+STAGING_KEEP_BYTES = (
+    256 << 20
+)  # a connection keeps a staging buffer up to this size between reads (a 32 x 4 MiB batch fits)
 _context_lock = threading.Lock()
 _contexts: list[Any] = []
 
