@@ -14,10 +14,20 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from kvpool.client.blocks import block_rows, read_rows, write_rows
-from kvpool.client.pool_client import DEFAULT_TIMEOUT_S, MAX_MESSAGE_BYTES, PutResult, hello_request
-from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable, UnknownNamespace
-from kvpool.core.hashing import block_hashes, pack_hashes
+from kvpool.client.blocks import read_rows, write_rows
+from kvpool.client.pool_client import (
+    DEFAULT_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    PutResult,
+    attach_arena,
+    hashes_request,
+    hello_request,
+    out_rows,
+    put_result,
+    put_rows,
+)
+from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
+from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.codec import channel_options
@@ -40,6 +50,7 @@ class AsyncPoolClient:
         self._arena: SharedArena | None = None
         self._pending_releases: list[int] = []
         self.node_id = ""
+        self.max_batch_blocks = 0
 
     @classmethod
     async def connect(
@@ -67,18 +78,14 @@ class AsyncPoolClient:
 
     async def _hello(self) -> None:
         reply = await self._rpc(self._stub.Hello, hello_request(self.namespace))
-        if self._arena is None or self._arena.path != reply.arena_path:
-            if self._arena is not None:
-                self._arena.close()
-            self._arena = SharedArena.attach(reply.arena_path, reply.arena_bytes)
+        self._arena = attach_arena(self._arena, reply, self.spec)
         self.node_id = reply.node_id
+        self.max_batch_blocks = reply.max_batch_blocks
 
     async def _hashes_call(self, method: Callable[..., Awaitable[T]], hashes: Sequence[bytes]) -> T:
         def request() -> pool_pb2.HashesRequest:
             releases, self._pending_releases = self._pending_releases, []
-            return pool_pb2.HashesRequest(
-                namespace=self._ns_digest, hashes=pack_hashes(hashes), release_lease_ids=releases
-            )
+            return hashes_request(self._ns_digest, hashes, releases, self.max_batch_blocks)
 
         try:
             return await self._rpc(method, request())
@@ -102,14 +109,12 @@ class AsyncPoolClient:
         return int((await self._hashes_call(self._stub.Lookup, hashes)).hits)
 
     async def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
-        rows = block_rows(blocks, self.spec, "blocks")
-        if rows.shape[0] != len(hashes):
-            raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+        rows = put_rows(blocks, self.spec, hashes)
         if not hashes:
             return PutResult(0, 0, 0, 0)
         start = await self._hashes_call(self._stub.PutStart, hashes)
         if start.put_id == 0:
-            return PutResult(0, len(start.already_present), len(start.in_flight), 0)
+            return put_result(start, None)
         try:
             checksums = write_rows(self.arena, rows, start.indices, start.offsets)
         except BaseException:
@@ -118,14 +123,10 @@ class AsyncPoolClient:
         done = await self._rpc(
             self._stub.PutCommit, pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums)
         )
-        return PutResult(
-            int(done.committed), len(start.already_present), len(start.in_flight), len(done.checksum_failed)
-        )
+        return put_result(start, done)
 
     async def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
-        rows = block_rows(out, self.spec, "out", writable=True)
-        if rows.shape[0] < len(hashes):
-            raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} were asked for")
+        rows = out_rows(out, self.spec, hashes)
         if not hashes:
             return 0
         reply = await self._hashes_call(self._stub.Lease, hashes)

@@ -62,6 +62,48 @@ def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
     )
 
 
+def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: KVSpec) -> SharedArena:
+    """Check a Hello reply against the spec and map the node's arena (again only if it moved:
+    a restarted daemon has a new arena file). Shared by the sync and async clients."""
+    if reply.block_bytes != spec.block_bytes:
+        raise InvalidArgument(f"daemon reports {reply.block_bytes}-byte blocks, spec says {spec.block_bytes}")
+    if current is not None and current.path == reply.arena_path:
+        return current
+    if current is not None:
+        current.close()
+    return SharedArena.attach(reply.arena_path, reply.arena_bytes)
+
+
+def hashes_request(
+    ns_digest: bytes, hashes: Sequence[bytes], releases: list[int], max_batch_blocks: int
+) -> pool_pb2.HashesRequest:
+    if max_batch_blocks and len(hashes) > max_batch_blocks:
+        raise InvalidArgument(
+            f"{len(hashes)} blocks in one call; the daemon allows {max_batch_blocks}", hint="split the batch"
+        )
+    return pool_pb2.HashesRequest(namespace=ns_digest, hashes=pack_hashes(hashes), release_lease_ids=releases)
+
+
+def put_rows(blocks: Any, spec: KVSpec, hashes: Sequence[bytes]) -> np.ndarray:
+    rows = block_rows(blocks, spec, "blocks")
+    if rows.shape[0] != len(hashes):
+        raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+    return rows
+
+
+def out_rows(out: Any, spec: KVSpec, hashes: Sequence[bytes]) -> np.ndarray:
+    rows = block_rows(out, spec, "out", writable=True)
+    if rows.shape[0] < len(hashes):
+        raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} were asked for")
+    return rows
+
+
+def put_result(start: pool_pb2.PutStartReply, done: pool_pb2.PutCommitReply | None) -> PutResult:
+    committed = int(done.committed) if done is not None else 0
+    failed = len(done.checksum_failed) if done is not None else 0
+    return PutResult(committed, len(start.already_present), len(start.in_flight), failed)
+
+
 class PoolClient:
     """Synchronous client of one same-host node. Safe to share between threads."""
 
@@ -113,12 +155,7 @@ class PoolClient:
 
     def _hello(self) -> None:
         reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
-        if reply.block_bytes != self.spec.block_bytes:
-            raise InvalidArgument(f"daemon reports {reply.block_bytes}-byte blocks, spec says {self.spec.block_bytes}")
-        if self._arena is None or self._arena.path != reply.arena_path:
-            if self._arena is not None:
-                self._arena.close()
-            self._arena = SharedArena.attach(reply.arena_path, reply.arena_bytes)
+        self._arena = attach_arena(self._arena, reply, self.spec)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 
@@ -139,13 +176,7 @@ class PoolClient:
         return taken
 
     def _hashes_request(self, hashes: Sequence[bytes]) -> pool_pb2.HashesRequest:
-        if self.max_batch_blocks and len(hashes) > self.max_batch_blocks:
-            raise InvalidArgument(
-                f"{len(hashes)} blocks in one call; the daemon allows {self.max_batch_blocks}", hint="split the batch"
-            )
-        return pool_pb2.HashesRequest(
-            namespace=self._ns_digest, hashes=pack_hashes(hashes), release_lease_ids=self._take_releases()
-        )
+        return hashes_request(self._ns_digest, hashes, self._take_releases(), self.max_batch_blocks)
 
     @property
     def arena(self) -> np.ndarray:
@@ -167,23 +198,19 @@ class PoolClient:
 
     def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
         """Store blocks ([n, *spec.block_shape]) under ``hashes``; present ones are skipped."""
-        rows = block_rows(blocks, self.spec, "blocks")
-        if rows.shape[0] != len(hashes):
-            raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
+        rows = put_rows(blocks, self.spec, hashes)
         if not hashes:
             return PutResult(0, 0, 0, 0)
         start = self._with_namespace(lambda: self._rpc(self._stub.PutStart, self._hashes_request(hashes)))
         if start.put_id == 0:
-            return PutResult(0, len(start.already_present), len(start.in_flight), 0)
+            return put_result(start, None)
         try:
             checksums = write_rows(self.arena, rows, start.indices, start.offsets)
         except BaseException:
             self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise
         done = self._rpc(self._stub.PutCommit, pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums))
-        return PutResult(
-            int(done.committed), len(start.already_present), len(start.in_flight), len(done.checksum_failed)
-        )
+        return put_result(start, done)
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
         """Read the leading cached blocks of ``hashes`` into ``out`` ([>= n, *block_shape]).
@@ -191,9 +218,7 @@ class PoolClient:
         Returns how many leading blocks were read and verified; rows past that are
         untouched or partially written and must be recomputed by the caller.
         """
-        rows = block_rows(out, self.spec, "out", writable=True)
-        if rows.shape[0] < len(hashes):
-            raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} were asked for")
+        rows = out_rows(out, self.spec, hashes)
         if not hashes:
             return 0
         reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
