@@ -22,6 +22,18 @@ def slot_size_for(block_bytes: int) -> int:
     return -(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
 
 
+def check_block_fits(block_bytes: int, slab_bytes: int) -> None:
+    """The one rule for which block sizes an arena of ``slab_bytes`` slabs can hold; the daemon
+    applies it when a namespace registers, so a bad spec fails at Hello, not at its first put."""
+    if block_bytes <= 0:
+        raise InvalidArgument(f"block size must be positive, got {block_bytes}")
+    if slot_size_for(block_bytes) > slab_bytes:
+        raise InvalidArgument(
+            f"a {block_bytes}-byte block does not fit a {slab_bytes}-byte slab",
+            hint="restart the daemon with a larger --slab-bytes, or use fewer tokens per block",
+        )
+
+
 @dataclass
 class _SizeClass:
     slot_bytes: int
@@ -47,13 +59,7 @@ class SlabAllocator:
         self.used_bytes = 0  # bytes in allocated slots (slot-rounded)
 
     def check_block_bytes(self, block_bytes: int) -> None:
-        if block_bytes <= 0:
-            raise InvalidArgument(f"block size must be positive, got {block_bytes}")
-        if slot_size_for(block_bytes) > self.slab_bytes:
-            raise InvalidArgument(
-                f"a {block_bytes}-byte block does not fit a {self.slab_bytes}-byte slab",
-                hint="raise --slab-bytes to at least the block size (or use fewer tokens per block)",
-            )
+        check_block_fits(block_bytes, self.slab_bytes)
 
     def alloc(self, block_bytes: int) -> int | None:
         """Offset of a free slot for a block of ``block_bytes``, or None if the arena is full

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -120,7 +120,6 @@ class StoreStats:
     checksum_failures: int = 0
     expired_leases: int = 0
     reclaimed_puts: int = 0
-    by_namespace: dict[bytes, int] = field(default_factory=dict)  # committed blocks per namespace
 
 
 class HostStore:
@@ -280,8 +279,6 @@ class HostStore:
             self.stats.puts += len(committed)
             self.stats.put_bytes += len(committed) * pending.block_bytes
             self.stats.checksum_failures += len(failed)
-            ns_count = self.stats.by_namespace
-            ns_count[pending.namespace] = ns_count.get(pending.namespace, 0) + len(committed)
             if committed:
                 self._emit(EventKind.STORED, committed, pending.namespace)
             return CommitResult(len(committed), failed)
@@ -485,8 +482,6 @@ class HostStore:
 
     def _unindex(self, entry: Entry) -> None:
         del self._index[entry.key]
-        ns_count = self.stats.by_namespace
-        ns_count[entry.namespace] = ns_count.get(entry.namespace, 1) - 1
         if entry.leases:
             entry.doomed = True
         else:

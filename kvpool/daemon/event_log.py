@@ -8,6 +8,7 @@ and resyncs from a snapshot.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Iterator
 
@@ -50,7 +51,8 @@ class EventLog:
                 return []
             first = self._events[0].seq
             start = max(0, from_seq - first)
-            return list(self._events)[start:]
+            # slice without copying the whole log (up to capacity_events) on every poll
+            return list(itertools.islice(self._events, start, None))
 
     def follow(self, from_seq: int, is_active: collections.abc.Callable[[], bool]) -> Iterator[KVEvent]:
         """Yield events from ``from_seq`` on, until ``is_active()`` turns false or the log closes."""

@@ -14,6 +14,7 @@ from kvpool.core.events import EventKind
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.event_log import EventLog
+from kvpool.storage.allocator import check_block_fits
 from kvpool.storage.arena import SharedArena
 from kvpool.storage.node_store import build_node_store
 
@@ -58,7 +59,10 @@ class PoolNode:
                 "the spec digest the client sent does not match its spec's canonical encoding",
                 hint="client and daemon disagree on the spec encoding: use the same kvpool version",
             )
-        self.store_check_block_bytes(spec)
+        try:
+            check_block_fits(spec.block_bytes, self.config.store.slab_bytes)
+        except InvalidArgument as err:
+            raise InvalidArgument(f"{spec.describe()}: {err.message}", hint=err.hint) from None
         with self._ns_lock:
             known = self._namespaces.get(namespace)
             if known is not None:
@@ -70,14 +74,6 @@ class PoolNode:
             self._namespaces[namespace] = info
             log.info("namespace %s registered: %s", namespace.hex(), spec.describe())
             return info
-
-    def store_check_block_bytes(self, spec: KVSpec) -> None:
-        if spec.block_bytes > self.config.store.slab_bytes:
-            raise InvalidArgument(
-                f"a block of {spec.describe()} is {spec.block_bytes} bytes, larger than a slab "
-                f"({self.config.store.slab_bytes} bytes)",
-                hint="restart the daemon with a larger --slab-bytes, or use fewer tokens per block",
-            )
 
     def namespace(self, digest: bytes) -> NamespaceInfo:
         info = self._namespaces.get(digest)

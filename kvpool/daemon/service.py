@@ -17,7 +17,7 @@ import grpc
 
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes, unpack_hashes
-from kvpool.daemon.node import PoolNode
+from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.codec import PROTOCOL_VERSION, event_to_msg, spec_from_msg
 from kvpool.rpc.errors import abort_with, typed_handler
@@ -33,9 +33,9 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self.max_event_subscribers = max_event_subscribers
 
     # helpers
-    def _keys(self, request: Any) -> list[bytes]:
-        self.node.namespace(request.namespace)
-        return unpack_hashes(request.hashes)
+    def _keys(self, request: Any) -> tuple[NamespaceInfo, list[bytes]]:
+        """The request's registered namespace (UnknownNamespace if not) and its block hashes."""
+        return self.node.namespace(request.namespace), unpack_hashes(request.hashes)
 
     def _release(self, lease_ids: Any) -> int:
         expired = 0
@@ -69,15 +69,14 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Lookup(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LookupReply:
-        keys = self._keys(request)
+        _, keys = self._keys(request)
         self._release(request.release_lease_ids)
         return pool_pb2.LookupReply(hits=self.node.store.lookup(keys))
 
     @typed_handler
     def Lease(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LeaseReply:
-        keys = self._keys(request)
+        info, keys = self._keys(request)
         self._release(request.release_lease_ids)
-        info = self.node.namespace(request.namespace)
         grant = self.node.store.lease(keys)
         return pool_pb2.LeaseReply(
             lease_id=grant.lease_id,
@@ -93,9 +92,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def PutStart(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.PutStartReply:
-        keys = self._keys(request)
+        info, keys = self._keys(request)
         self._release(request.release_lease_ids)
-        info = self.node.namespace(request.namespace)
         grant = self.node.store.put_start(request.namespace, keys, info.spec.block_bytes)
         return pool_pb2.PutStartReply(
             put_id=grant.put_id,
@@ -124,11 +122,12 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Remove(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.RemoveReply:
-        return pool_pb2.RemoveReply(removed=self.node.store.remove(self._keys(request)))
+        _, keys = self._keys(request)
+        return pool_pb2.RemoveReply(removed=self.node.store.remove(keys))
 
     @typed_handler
     def Pin(self, request: pool_pb2.PinRequest, context: grpc.ServicerContext) -> pool_pb2.PinReply:
-        keys = self._keys(request)
+        _, keys = self._keys(request)
         if request.unpin:
             return pool_pb2.PinReply(changed=self.node.store.unpin(keys))
         if not request.hard and request.ttl_ms == 0:
