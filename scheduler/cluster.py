@@ -76,15 +76,6 @@ class ClusterSpec:
     def pool_member(self) -> int:
         return self.num_instances
 
-    def prefill_members(self) -> range:
-        return range(0, self.num_prefill)
-
-    def decode_members(self) -> range:
-        return range(self.num_prefill, self.num_prefill + self.num_decode)
-
-    def remote_members(self) -> range:
-        return range(self.num_prefill + self.num_decode, self.num_instances)
-
     def role(self, member: int) -> str:
         if member < self.num_prefill:
             return "prefill"
@@ -114,6 +105,11 @@ class RouteRequest:
     output_tokens: int
     slo: Slo = field(default_factory=Slo)
     request_id: int = 0
+
+    def cached_tokens(self, hit_blocks: int, block_tokens: int) -> int:
+        """Prompt tokens a hit of ``hit_blocks`` saves: never the last one, whose logits
+        the first output token needs, so it is always computed."""
+        return min(hit_blocks * block_tokens, self.input_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -226,7 +222,7 @@ class ClusterState:
             elif peer_len > local:
                 peer_b = peer_len - local
         hit = local + pool_b + peer_b
-        cached_tokens = min(hit * spec.block_tokens, req.input_tokens - 1)
+        cached_tokens = req.cached_tokens(hit, spec.block_tokens)
         new_tokens = req.input_tokens - cached_tokens
         queue = self.queue_ms(member)
         fetch = float(

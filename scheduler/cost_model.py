@@ -262,17 +262,3 @@ def fit(
         decode_ms_per_seq=float(dc[1]),
         decode_ms_per_context_token=float(dc[2]),
     )
-
-
-def load_measurements(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """Rows from a JSON list or a CSV with a header (kind,new_tokens,cached_tokens,batch,context_tokens,ms)."""
-    p = pathlib.Path(path)
-    text = p.read_text()
-    if p.suffix == ".json":
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise InvalidArgument(f"{p} must hold a JSON list of measurement rows")
-        return [dict(r) for r in data]
-    import csv
-
-    return [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(text.splitlines())]

@@ -17,9 +17,24 @@ def _plt():  # type: ignore[no-untyped-def]
     return plt
 
 
-def ttft_cdf(path: str | pathlib.Path, ttft_by_policy: Mapping[str, np.ndarray], slo_ms: float) -> None:
+def _axes():  # type: ignore[no-untyped-def]
+    """A fresh (plt, fig, ax) of the one size every plot here uses."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=90)
+    return plt, fig, ax
+
+
+def _save(plt, fig, ax, path: str | pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """The common finish: legend, grid, tight layout, write the PNG, free the figure."""
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def ttft_cdf(path: str | pathlib.Path, ttft_by_policy: Mapping[str, np.ndarray], slo_ms: float) -> None:
+    plt, fig, ax = _axes()
     for name, x in ttft_by_policy.items():
         x = np.sort(x[~np.isnan(x)]) / 1000.0
         if x.size:
@@ -28,11 +43,7 @@ def ttft_cdf(path: str | pathlib.Path, ttft_by_policy: Mapping[str, np.ndarray],
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, served requests)")
     ax.set_ylabel("CDF")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def hit_rate_vs_capacity(
@@ -42,19 +53,14 @@ def hit_rate_vs_capacity(
     oracle: float,
     ylabel: str = "prefix hit rate (% of blocks)",
 ) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=90)
+    plt, fig, ax = _axes()
     for name, rates in rates_by_policy.items():
         ax.plot(np.asarray(capacities_tokens) / 1e6, np.asarray(rates) * 100, marker="o", label=name)
     ax.axhline(oracle * 100, color="k", ls="--", lw=0.8, label="infinite-cache oracle")
     ax.set_xscale("log")
     ax.set_xlabel("global pool capacity (M tokens)")
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def goodput_vs_rate(
@@ -62,16 +68,11 @@ def goodput_vs_rate(
     probes_by_policy: Mapping[str, Sequence[tuple[float, float]]],
     target: float = 0.9,
 ) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=90)
+    plt, fig, ax = _axes()
     for name, probes in probes_by_policy.items():
         pts = sorted(probes)
         ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=name)
     ax.axhline(target * 100, color="k", ls="--", lw=0.8, label=f"{target:.0%} SLO attainment")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(plt, fig, ax, path)

@@ -64,8 +64,7 @@ class RemotePrefillPolicy(Policy):
         order = np.lexsort((state.queues_ms(dec[pool]), tpot[pool], -reach[pool]))
         k = int(pool[order[0]])
         d = int(dec[k])
-        cached = min(int(reach[k]) * state.spec.block_tokens, req.input_tokens - 1)
-        uncached = req.input_tokens - cached
+        uncached = state.plan_prefill(req, d, lens, d).new_tokens  # the shared hit arithmetic, not a copy
         self._last_uncached = uncached
         remote = state.remote_arr
         if len(remote) and uncached > self.threshold_tokens:

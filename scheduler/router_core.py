@@ -187,16 +187,15 @@ class RouterCore:
             if d.rejected:
                 self.rejections += 1
                 return RouteResult(d, "", "", 0, us)
-            self._charge(req, d)
-        hit_tokens = min(d.expected_hit_blocks * self.spec.block_tokens, req.input_tokens - 1)  # last one is computed
+            hit_tokens = req.cached_tokens(d.expected_hit_blocks, self.spec.block_tokens)
+            self._charge(req, d, hit_tokens)
         return RouteResult(d, self.names[d.prefill_member], self.names[d.decode_member], hit_tokens, us)
 
-    def _charge(self, req: RouteRequest, d: Decision) -> None:
-        """Charge the placement from the decision's expected hit (no second index walk: the
-        fetch of a cached prefix is small next to the prefill it saves)."""
+    def _charge(self, req: RouteRequest, d: Decision, cached: int) -> None:
+        """Charge the placement from the decision's expected hit, ``cached`` tokens (no second
+        index walk: the fetch of a cached prefix is small next to the prefill it saves)."""
         st = self.state
         m = d.prefill_member
-        cached = min(d.expected_hit_blocks * self.spec.block_tokens, req.input_tokens - 1)
         new = req.input_tokens - cached
         st.busy_until_ms[m] = max(float(st.busy_until_ms[m]), st.now_ms) + float(st.cost.prefill_ms(new, cached))
         st.outstanding_requests[m] += 1

@@ -43,8 +43,7 @@ class PoolSource:
         self.node_id: str = self._client.node_id or address
 
     def snapshot(self) -> tuple[int, list[bytes]]:
-        last_seq, hashes = self._client.snapshot()
-        return int(last_seq), list(hashes)
+        return self._client.snapshot()
 
     def events(self, from_seq: int) -> Iterator[KVEvent]:
         return self._client.events(from_seq)

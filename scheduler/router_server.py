@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from kvpool.core.errors import ErrorCode, InvalidArgument, KVPoolError
-from kvpool.core.hashing import pack_hashes, unpack_hashes
+from kvpool.core.errors import ErrorCode, InvalidArgument, KVPoolError, NotFound
+from kvpool.core.hashing import unpack_hashes
 from kvpool.proto import router_pb2, router_pb2_grpc
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.errors import typed_handler
@@ -128,7 +128,7 @@ def _handler_for(core: RouterCore) -> type[BaseHTTPRequestHandler]:
             if self.path == "/stats":
                 self._send(200, core.stats())
             else:
-                self._send(404, {"error": "NOT_FOUND", "message": f"no route {self.path}", "hint": "GET /stats"})
+                self._error(NotFound(f"no route GET {self.path}", hint="GET /stats"))
 
         def do_POST(self) -> None:
             try:
@@ -151,10 +151,7 @@ def _handler_for(core: RouterCore) -> type[BaseHTTPRequestHandler]:
                     core.report(WorkerLoad(**fields))
                     self._send(200, {})
                 else:
-                    self._send(
-                        404,
-                        {"error": "NOT_FOUND", "message": f"no route {self.path}", "hint": "POST /route or /report"},
-                    )
+                    raise NotFound(f"no route POST {self.path}", hint="POST /route or /report")
             except KVPoolError as err:
                 self._error(err)
             except (ValueError, TypeError) as exc:
@@ -198,4 +195,4 @@ class RouterServer:
         self._grpc.stop(grace=1.0).wait()
 
 
-__all__ = ["RouterServer", "RouterServicer", "pack_hashes", "result_to_dict"]
+__all__ = ["RouterServer", "RouterServicer", "result_to_dict"]

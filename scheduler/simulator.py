@@ -28,7 +28,7 @@ import numpy as np
 
 from kvpool.core.errors import InternalError, InvalidArgument
 from kvpool.scheduler.cluster import ClusterSpec, ClusterState, Decision, RouteRequest, Slo
-from kvpool.scheduler.cost_model import CostModel, transfer_ms
+from kvpool.scheduler.cost_model import CostModel
 from kvpool.scheduler.index import TieredCache, make_cache
 from kvpool.scheduler.policy_base import Policy
 from kvpool.scheduler.trace import TraceHasher, TraceRequest
@@ -221,12 +221,8 @@ class Simulator:
             self.policy.observe(req, decision, state)
             if self.progress is not None and (i % step == 0 or i == n - 1):
                 self.progress(i + 1, n)
-        self._advance(self._horizon())
+        self._advance(float("inf"))  # every remaining event (decode completions may re-queue after stalls)
         return out
-
-    def _horizon(self) -> float:
-        """Run every remaining event (decode completions may re-queue after stalls)."""
-        return float("inf")
 
     def _check(self, d: Decision) -> None:
         spec = self.spec
@@ -265,17 +261,9 @@ class Simulator:
         state.outstanding_requests[m] += 1
         self._push(done, _PREFILL_DONE, (m, plan.new_tokens))
         kind = d.prefill_kind
-        if kind == "remote":
-            xfer = float(
-                transfer_ms(
-                    plan.new_tokens * cost.kv_bytes_per_token,
-                    spec.remote_link_bandwidth_bytes_per_s,
-                    spec.remote_link_latency_ms,
-                )
-            )
-            send = max(done, state.link_busy_until_ms)
-            state.link_busy_until_ms = send + xfer
-            first = send + xfer
+        if kind == "remote":  # the plan's to_decode_ms already waits for the FIFO link
+            first = done + plan.to_decode_ms
+            state.link_busy_until_ms = first
             moved += plan.new_tokens * cost.kv_bytes_per_token
             self._push(done, _INSERT, ((m,), req.hashes))
             self._push(first, _INSERT, ((dm,), req.hashes))

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,6 +55,20 @@ def bench_replay(work: Workload, spec: ClusterSpec, cost, slo: Slo) -> dict[str,
         times[name] = time.perf_counter() - t0
         log(f"replay {name}: {times[name]:.1f} s")
     return times
+
+
+def _time_each(call: Callable[[RouteRequest], object], reqs: list[RouteRequest]) -> tuple[np.ndarray, np.ndarray]:
+    """(wall ns, this thread's CPU ns) of ``call(r)`` for each request: the CPU figure
+    excludes preemption by the other tenants of a shared machine."""
+    ns = np.empty(len(reqs))
+    cpu = np.empty(len(reqs))
+    for i, r in enumerate(reqs):
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        call(r)
+        ns[i] = time.perf_counter_ns() - t0
+        cpu[i] = time.thread_time_ns() - c0
+    return ns, cpu
 
 
 def bench_decision(
@@ -89,14 +105,7 @@ def bench_decision(
             pol.decide(r, st)
         p50s, p99s, cpu99s = [], [], []
         for _ in range(repeats):  # the machine is shared: report the median of a few runs' p99
-            ns = np.empty(len(reqs))
-            cpu = np.empty(len(reqs))
-            for i, r in enumerate(reqs):
-                c0 = time.thread_time_ns()
-                t0 = time.perf_counter_ns()
-                pol.decide(r, st)
-                ns[i] = time.perf_counter_ns() - t0
-                cpu[i] = time.thread_time_ns() - c0
+            ns, cpu = _time_each(functools.partial(pol.decide, state=st), reqs)
             p50s.append(float(np.percentile(ns, 50) / 1e3))
             p99s.append(float(np.percentile(ns, 99) / 1e3))
             cpu99s.append(float(np.percentile(cpu, 99) / 1e3))
@@ -112,14 +121,7 @@ def bench_decision(
             f"(cpu p99 {np.median(cpu99s):.0f} us)"
         )
     # the router's whole path: lock, decide, charge the placement (no transport)
-    ns = np.empty(len(reqs))
-    cpu = np.empty(len(reqs))
-    for i, r in enumerate(reqs):
-        c0 = time.thread_time_ns()
-        t0 = time.perf_counter_ns()
-        core.route(r)
-        ns[i] = time.perf_counter_ns() - t0
-        cpu[i] = time.thread_time_ns() - c0
+    ns, cpu = _time_each(core.route, reqs)
     out["router-core kv-centric"] = {
         "p50_us": float(np.percentile(ns, 50) / 1e3),
         "p99_us": float(np.percentile(ns, 99) / 1e3),

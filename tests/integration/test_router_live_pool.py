@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import pytest
+from conftest import free_port, start_daemon
 
 from kvpool.client.pool_client import PoolClient
 from kvpool.core.spec import KVSpec
@@ -24,16 +25,10 @@ from kvpool.proto import router_pb2, router_pb2_grpc
 SPEC = KVSpec(model="router-live", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=16)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+def _start(args: list[str], log_path: pathlib.Path) -> subprocess.Popen[bytes]:
+    """The router's output goes to a file: an unread pipe would fill and stall its logging."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "kvpool.cli.main", *args], stdout=log, stderr=subprocess.STDOUT)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -58,21 +53,13 @@ def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     return False
 
 
-def _can_connect(addr: str) -> bool:
-    PoolClient.connect(addr, SPEC).close()
-    return True
-
-
 @pytest.fixture
-def daemons(tmp_path) -> Iterator[tuple[str, str]]:  # type: ignore[no-untyped-def]
-    pool_addr = f"127.0.0.1:{_free_port()}"
-    router_addr = f"127.0.0.1:{_free_port()}"
-    pool = _start(
-        ["serve", "--listen", pool_addr, "--capacity-bytes", "64MiB", "--slab-bytes", "1MiB", "--node-id", "pool-a"]
-    )
+def daemons(tmp_path: pathlib.Path) -> Iterator[tuple[str, str]]:
+    pool = start_daemon("--slab-bytes", "1MiB", "--node-id", "pool-a")  # waits until it answers
+    pool_addr = pool.address
+    router_addr = f"127.0.0.1:{free_port()}"
     router = None
     try:
-        assert _until(lambda: _can_connect(pool_addr)), "pool daemon did not start"
         router = _start(
             [
                 "router",
@@ -88,13 +75,14 @@ def daemons(tmp_path) -> Iterator[tuple[str, str]]:  # type: ignore[no-untyped-d
                 pool_addr,
                 "--spec",
                 json.dumps(SPEC.to_dict()),
-            ]
+            ],
+            tmp_path / "router.log",
         )
         yield pool_addr, router_addr
     finally:
         if router is not None:
             _stop(router)
-        _stop(pool)
+        pool.cleanup()
 
 
 def test_router_sees_blocks_put_through_the_pool(daemons: tuple[str, str]) -> None:
