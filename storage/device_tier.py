@@ -235,7 +235,12 @@ class DeviceTier:
 
     # -- internals -----------------------------------------------------------------------
     def _copy_out(self, entry: _DeviceEntry) -> np.ndarray:
-        return np.asarray(self.arena[entry.offset : entry.offset + entry.size].cpu().numpy()).copy()
+        """A private host copy of the block: on CUDA ``.cpu()`` already is that copy; on the
+        test-only CPU device it is a view of the arena, so copy it once."""
+        view = self.arena[entry.offset : entry.offset + entry.size]
+        if view.device.type == "cpu":
+            return view.numpy().copy()
+        return view.cpu().numpy()
 
     def _drop(self, entry: _DeviceEntry) -> None:
         del self._index[entry.key]

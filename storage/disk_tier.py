@@ -208,6 +208,11 @@ class DiskSlots:
             found = self._layouts[slot_bytes] = file_layout(self.slab_file_bytes, slot_bytes)
         return found
 
+    @property
+    def empty_files(self) -> int:
+        """Files holding no block (``alloc`` gives one a slot class when no partial file fits)."""
+        return len(self._empty_files)
+
     def slots_per_file(self, slot_bytes: int) -> int:
         return self.layout(slot_bytes)[0]
 
@@ -842,11 +847,7 @@ class DiskTier:
             if self._queue.full():
                 self.stats.queue_full_drops += 1
                 return False
-            size = int(data.size)
-            buf = self._buffers.acquire(slot_bytes_for(size))
-            block = QueuedBlock(key, namespace.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], size, checksum, buf)
-            block.payload()[:] = data
-            self._queued[key] = block
+            block = self._queue_copy(key, namespace, data, checksum)
             self._queue.put_nowait(block)
             return True
 
@@ -857,12 +858,7 @@ class DiskTier:
             for key, namespace, data, checksum in blocks:
                 if key in self._index or key in self._queued:
                     continue
-                size = int(data.size)
-                buf = self._buffers.acquire(slot_bytes_for(size))
-                block = QueuedBlock(key, namespace.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], size, checksum, buf)
-                block.payload()[:] = data
-                self._queued[key] = block
-                batch.append(block)
+                batch.append(self._queue_copy(key, namespace, data, checksum))
             self._inflight_batches += 1
         try:
             started = self._start_batch(batch)
@@ -870,6 +866,16 @@ class DiskTier:
             self._abandon_batch(batch)
             raise
         return self._finish_batch(started)  # ends the in-flight accounting
+
+    def _queue_copy(self, key: bytes, namespace: bytes, data: np.ndarray, checksum: int) -> QueuedBlock:
+        """Copy a block into an aligned buffer and register it as queued (under the lock):
+        the caller's bytes may be reused as soon as this returns."""
+        size = int(data.size)
+        buf = self._buffers.acquire(slot_bytes_for(size))
+        block = QueuedBlock(key, namespace.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], size, checksum, buf)
+        block.payload()[:] = data
+        self._queued[key] = block
+        return block
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block is written (or dropped). True if drained in time."""
@@ -937,9 +943,8 @@ class DiskTier:
     def _start_batch(self, batch: list[QueuedBlock]) -> _BatchInFlight:
         """The durability order of a batch is: (1) durably delete the index entries of the
         blocks evicted to make room, (2) write payloads and header pages, (3) fdatasync,
-        (4) commit the new index entries. Stage 1 (one batch at a time) does (1) and starts
-        (2); ``_finish_batch`` does the rest. Stage 1: choose slots (evicting by policy), durably delete the
-        victims' index entries, then start the payload and header-page writes."""
+        (4) commit the new index entries. This stage (one batch at a time) chooses slots
+        (evicting by policy), does (1) and starts (2); ``_finish_batch`` does the rest."""
         self._recovered.wait()  # slots are only known once the index is loaded
         with self._write_mutex:
             job = _BatchInFlight()
@@ -1114,12 +1119,11 @@ class DiskTier:
             return None
         self._evict_to_low_watermark(slot_bytes, victims)
         while True:
-            classes_before = self._slots.file_class[:]
+            empty_before = self._slots.empty_files
             where = self._slots.alloc(slot_bytes, self._may_open_file)
             if where is not None:
-                f = where[0]
-                if classes_before[f] != slot_bytes:
-                    new_files.append((f, slot_bytes))
+                if self._slots.empty_files < empty_before:  # an empty file was given this class
+                    new_files.append((where[0], slot_bytes))
                 return where
             if not self._evict_one(victims):
                 return None

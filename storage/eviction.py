@@ -11,6 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from kvpool.core.errors import InvalidArgument
+
 
 class EvictionPolicy(Protocol):
     name: str
@@ -68,8 +70,6 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    from kvpool.core.errors import InvalidArgument
-
     factory = POLICIES.get(name)
     if factory is None:
         raise InvalidArgument(f"unknown eviction policy {name!r}", hint=f"use one of {sorted(POLICIES)}")

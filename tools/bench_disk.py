@@ -80,13 +80,18 @@ def raw_io(path: pathlib.Path, blocks: list[np.ndarray], threads: int, batch: in
         os.close(fd)
 
 
+def capacity_for(n_blocks: int, block_bytes: int, slab_file_bytes: int) -> int:
+    """Disk capacity holding ``n_blocks`` blocks, plus one spare slab file."""
+    per_file = file_layout(slab_file_bytes, slot_bytes_for(block_bytes))[0]
+    return (-(-n_blocks // per_file) + 1) * slab_file_bytes
+
+
 def open_tier(directory: pathlib.Path, block_bytes: int, n_blocks: int, threads: int, batch: int) -> DiskTier:
     """One long-lived tier sized for about ``n_blocks``: from the round that fills it on, it
     runs as a daemon's disk tier does in steady state (full, evicting by LRU into slab files
     that already exist, buffer pool warm); the first rounds also pay file preallocation."""
     slab = (4 << 20) + 64 * slot_bytes_for(block_bytes)  # 64 blocks + header page/table, aligned
-    per_file = file_layout(slab, slot_bytes_for(block_bytes))[0]
-    capacity = (-(-n_blocks // per_file) + 1) * slab
+    capacity = capacity_for(n_blocks, block_bytes, slab)
     return DiskTier(str(directory), capacity, slab, io_threads=threads, queue_blocks=batch * 2)
 
 
@@ -113,8 +118,7 @@ def restart_first_hit(directory: pathlib.Path, n_blocks: int, block_bytes: int) 
     """(seconds to write, seconds from restart to the first served lease, seconds until the
     whole index is loaded, recovered blocks)."""
     slab = 64 * MiB
-    per_file = file_layout(slab, slot_bytes_for(block_bytes))[0]
-    capacity = (-(-n_blocks // per_file) + 1) * slab
+    capacity = capacity_for(n_blocks, block_bytes, slab)
     rng = np.random.default_rng(7)
     payload = rng.integers(0, 256, block_bytes, dtype=np.uint8)
     tier = DiskTier(str(directory), capacity, slab, io_threads=4)
@@ -169,8 +173,7 @@ def daemon_first_hit(directory: pathlib.Path, n_blocks: int, block_bytes: int) -
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     slab = 64 * MiB
-    per_file = file_layout(slab, slot_bytes_for(block_bytes))[0]
-    capacity = (-(-n_blocks // per_file) + 1) * slab
+    capacity = capacity_for(n_blocks, block_bytes, slab)
     arena_dir = tempfile.mkdtemp(prefix="bench-disk-arena-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", f"127.0.0.1:{port}",
             "--capacity-bytes", str(64 * MiB), "--slab-bytes", str(4 * MiB), "--arena-dir", arena_dir,
