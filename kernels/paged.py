@@ -179,8 +179,13 @@ def _block_view(out: torch.Tensor, spec: KVSpec, n: int) -> None:
         )
 
 
-def _page_table(page_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+def _page_table(page_ids: torch.Tensor | Sequence[int], device: torch.device, num_pages: int) -> torch.Tensor:
+    """The block table as a flat long tensor on ``device``, every id checked against the cache:
+    an id out of range would read or overwrite another request's pages, so it is refused here,
+    once, for every strategy."""
     ids = torch.as_tensor(page_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        raise InvalidArgument(f"page ids must lie in [0, {num_pages})")
     return ids.to(device)
 
 
@@ -414,12 +419,10 @@ def gather_blocks(
     _block_view(out, spec, num_blocks)
     if num_blocks == 0:
         return
-    table = _page_table(page_ids, kv_caches[0].device)
+    table = _page_table(page_ids, kv_caches[0].device, num_pages)
     ppb, bpp = _spans(spec, layout, num_blocks, table.numel())
     kvf, h0, hn = spec.kv_factor, layout.head_start, layout.num_kv_heads
     t, d = spec.block_tokens, spec.head_dim
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_pages):
-        raise InvalidArgument(f"page ids must lie in [0, {num_pages})")
     if _use_triton(strategy, kv_caches[0]):
         cache0 = kv_caches[0]
         same = out.device == cache0.device and out.dtype == cache0.dtype
@@ -439,6 +442,8 @@ def gather_blocks(
             out[:num_blocks, :, :, h0 : h0 + hn].copy_(dst[:, :, :, h0 : h0 + hn])
         return
     if _direct(strategy, kv_caches[0]) and bpp == 1:
+        block_layer_bytes = kvf * hn * t * d * out.element_size()
+        nbytes = num_blocks * spec.num_layers * block_layer_bytes
         path, runs = _pick_cpu(
             strategy,
             kv_caches,
@@ -448,11 +453,10 @@ def gather_blocks(
             ppb,
             gather=True,
             order=layout.order,
-            block_layer_bytes=kvf * hn * t * d * out.element_size(),
+            block_layer_bytes=block_layer_bytes,
         )
         p = layout.page_tokens
         raw = _RAW[out.element_size()]
-        nbytes = num_blocks * spec.num_layers * kvf * hn * t * d * out.element_size()
         slots = table[: num_blocks * ppb].view(num_blocks, ppb)
         if path == "rows":
             row = d if layout.order == "NHD" else p * d
@@ -548,10 +552,8 @@ def scatter_blocks(
     if blocks.dtype != kv_caches[0].dtype:
         raise SpecMismatch(f"blocks have dtype {blocks.dtype}, the cache holds {kv_caches[0].dtype}")
     device = kv_caches[0].device
-    table = _page_table(page_ids, device)
+    table = _page_table(page_ids, device, num_pages)
     ppb, bpp = _spans(spec, layout, num_blocks, table.numel())
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_pages):
-        raise InvalidArgument(f"page ids must lie in [0, {num_pages})")
     kvf, h0, hn = spec.kv_factor, layout.head_start, layout.num_kv_heads
     t, d, p = spec.block_tokens, spec.head_dim, layout.page_tokens
     src_all = blocks.to(device) if blocks.device != device else blocks
@@ -561,6 +563,8 @@ def scatter_blocks(
         )
         return
     if _direct(strategy, kv_caches[0]) and bpp == 1:
+        block_layer_bytes = kvf * hn * t * d * blocks.element_size()
+        nbytes = num_blocks * spec.num_layers * block_layer_bytes
         path, runs = _pick_cpu(
             strategy,
             kv_caches,
@@ -570,11 +574,10 @@ def scatter_blocks(
             ppb,
             gather=False,
             order=layout.order,
-            block_layer_bytes=kvf * hn * t * d * blocks.element_size(),
+            block_layer_bytes=block_layer_bytes,
         )
         raw = _RAW[blocks.element_size()]
         slots = table[: num_blocks * ppb].view(num_blocks, ppb).numpy()
-        nbytes = num_blocks * spec.num_layers * kvf * hn * t * d * blocks.element_size()
         if path == "rows":
             row = d if layout.order == "NHD" else p * d
             ids = _row_ids(spec, layout, torch.from_numpy(slots), num_pages)

@@ -4,10 +4,13 @@ Connectors and the reference engine talk to the pool only through ``BlockPool`` 
 methods of ``kvpool.client.PoolClient`` they use), so their logic is tested without a
 daemon and runs against the real client unchanged.
 
-``InProcessPool`` keeps blocks in a dict inside the calling process. It exists so the
-reference engine can run in one process without a daemon and so pure logic can be unit
-tested; it keeps the pool's rules (checksum on put, verify after the copy on read, a bad
-block truncates the read). Cross-process tests use the real daemon and ``PoolClient``.
+``InProcessPool`` is a test double only: it keeps blocks in a dict inside the calling
+process so connector and engine logic can be unit tested without a daemon. Nothing outside
+the tests uses it: the engine worker (``kvpool.engine.worker``), ``tools/bench_reuse.py``
+and the integration tests run against the real daemon through ``PoolClient``. It keeps the
+pool's rules with the project's own pieces (``block_hashes`` for the hashes, ``checksum64``
+on put, verified after the copy on read; a bad block truncates the read), so a test that
+passes here exercises the same contract the daemon enforces.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _rows(blocks: Any, spec: KVSpec, what: str) -> np.ndarray:
 
 
 class InProcessPool:
-    """A pool that lives in this process: ``capacity_blocks`` bounded, FIFO eviction."""
+    """Test double of the pool in this process: ``capacity_blocks`` bounded, FIFO eviction."""
 
     def __init__(self, spec: KVSpec, salt: bytes = b"", capacity_blocks: int = 65_536) -> None:
         if capacity_blocks <= 0:

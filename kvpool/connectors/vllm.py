@@ -192,7 +192,7 @@ class VllmPoolConnectorLogic:
         self._kv_caches = ordered
 
     def _buffer(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, *self.spec.block_shape, dtype=self._kv_caches[0].dtype)
+        return torch.empty(n, *self.spec.block_shape, dtype=self._kv_caches[0].dtype)  # fully overwritten
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         for load in metadata.loads:
@@ -221,7 +221,7 @@ class VllmPoolConnectorLogic:
         local_layout = dataclasses.replace(self.layout, head_start=0)
         for save in metadata.saves:  # every rank must walk the same saves: the all-gather is collective
             n = len(save.hashes)
-            local = torch.zeros(n, *local_spec.block_shape, dtype=self._kv_caches[0].dtype)
+            local = torch.empty(n, *local_spec.block_shape, dtype=self._kv_caches[0].dtype)
             gather_blocks(local_spec, local_layout, self._kv_caches, list(save.page_ids), local, n)
             full = self.head_allgather(local)
             if tuple(full.shape) != (n, *self.spec.block_shape):

@@ -80,6 +80,7 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     last_logits: torch.Tensor | None = None
+    prompt_hashes: list[bytes] = field(default_factory=list, repr=False)  # set on admit with a pool
 
     @property
     def tokens(self) -> list[int]:
@@ -182,7 +183,7 @@ class Engine:
     def _load_prefix(self, req: Request) -> None:
         assert self.pool is not None
         t = self.config.block_tokens
-        hashes = self.pool.hashes(req.prompt)
+        hashes = req.prompt_hashes = self.pool.hashes(req.prompt)  # kept for _store_prompt
         usable = (len(req.prompt) - 1) // t  # the last prompt token always runs (it yields logits)
         want = self.pool.lookup(hashes[:usable]) if usable else 0
         if want == 0:
@@ -202,10 +203,11 @@ class Engine:
         first = req.hit_tokens // t
         if full <= first:
             return
-        hashes = self.pool.hashes(req.prompt)
-        buf = torch.empty(full, *self.spec.block_shape, dtype=self.kv_caches[0].dtype)
-        gather_blocks(self.spec, self.layout, self.kv_caches, req.pages, buf, full)
-        self.pool.put(hashes[first:full], buf[first:full])
+        # gather only the blocks the pool does not hold yet: block i starts at page i * ppb
+        ppb = t // self.config.page_tokens
+        buf = torch.empty(full - first, *self.spec.block_shape, dtype=self.kv_caches[0].dtype)
+        gather_blocks(self.spec, self.layout, self.kv_caches, req.pages[first * ppb :], buf, full - first)
+        self.pool.put(req.prompt_hashes[first:full], buf)
 
     # -- one step -----------------------------------------------------------------------
     def _slots(self, req: Request, upto: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from hf_helpers import tiny_llama
 
 from kvpool.client import PoolClient
 from kvpool.connectors.hf import HFConnector, spec_for_model
@@ -10,24 +11,8 @@ from kvpool.connectors.hf import HFConnector, spec_for_model
 torch.set_num_threads(2)
 
 
-def _tiny_llama() -> object:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
 def test_prefix_through_daemon_same_logits_only_misses_run(pool_daemon) -> None:  # type: ignore[no-untyped-def]
-    model = _tiny_llama()
+    model = tiny_llama()
     spec = spec_for_model(model, model_id="tiny-llama", block_tokens=16)
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 96, (70,), generator=gen)
@@ -48,7 +33,7 @@ def test_prefix_through_daemon_same_logits_only_misses_run(pool_daemon) -> None:
 def test_int8_compressed_blocks_through_daemon(pool_daemon) -> None:  # type: ignore[no-untyped-def]
     from kvpool.connectors.compressed_pool import CompressedPool, compressed_spec
 
-    model = _tiny_llama()
+    model = tiny_llama()
     spec = spec_for_model(model, model_id="tiny-llama", block_tokens=16)
     prompt = (torch.arange(50) * 13) % 96
     with PoolClient.connect(pool_daemon.address, compressed_spec(spec, "int8")) as wire:

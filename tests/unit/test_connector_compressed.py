@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import tiny_llama
 
 from kvpool.connectors.compressed_pool import CompressedPool, compressed_spec, pack, unpack
 from kvpool.connectors.hf import HFConnector, spec_for_model
@@ -46,19 +47,7 @@ def test_compressed_namespace_never_matches_exact() -> None:
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 def test_hf_connector_over_compressed_pool_close_to_recompute(codec: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     spec = spec_for_model(model, model_id="tiny", block_tokens=8)
     pool = CompressedPool(InProcessPool(compressed_spec(spec, codec)), spec, codec)
     conn = HFConnector(model, pool, spec)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
+from hf_helpers import tiny_llama
 
 from kvpool.connectors.hf import HFConnector, spec_for_model
 from kvpool.connectors.pool_api import InProcessPool
@@ -14,23 +13,6 @@ from kvpool.core.spec import KVSpec
 
 torch.set_num_threads(2)
 BLOCK = 8
-
-
-def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0) -> object:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model: Any = LlamaForCausalLM(cfg)
-    return model.to(dtype).eval()
 
 
 def full_logits(model: object, ids: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,30 @@ def test_pool_prefix_hit_runs_only_missed_tokens_same_logits() -> None:
     assert torch.allclose(ref.last_logits, warm.last_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_blocks_stored_after_a_hit_are_the_suffix_blocks() -> None:
+    """A warm request stores only its new blocks (gathered from the pages after the hit):
+    a third request that hits them must see the same logits as a full recompute."""
+    pool = InProcessPool(MC.kv_spec(8))
+    config = EngineConfig(num_pages=64, page_tokens=4, block_tokens=8)
+    base = prompt(21, 11)
+    run_one(Engine(MC, config, pool), base, SamplingParams(1), "a")  # stores blocks 0-1
+    longer = base[:20] + prompt(30, 12)  # hits blocks 0-1, stores blocks 2-5
+    engine = Engine(MC, config, pool)
+    second = engine.add_request("b", longer, SamplingParams(1))
+    engine.run_until_done()
+    assert second.hit_tokens == 16
+    engine = Engine(MC, config, pool)
+    third = engine.add_request("c", longer, SamplingParams(2))
+    engine.run_until_done()
+    assert third.hit_tokens == 48 and third.prefill_tokens_run == 2
+    fresh = Engine(MC, config)
+    ref = fresh.add_request("ref", longer, SamplingParams(2))
+    fresh.run_until_done()
+    assert ref.output == third.output
+    assert ref.last_logits is not None and third.last_logits is not None
+    assert torch.allclose(ref.last_logits, third.last_logits, atol=1e-4, rtol=1e-4)
+
+
 def test_corrupt_pool_block_is_a_load_error_and_recomputed() -> None:
     pool = InProcessPool(MC.kv_spec(8))
     engine = Engine(MC, EngineConfig(num_pages=64, page_tokens=4, block_tokens=8), pool)
