@@ -57,13 +57,9 @@ class Holder:
     data_address: str
     host: str
 
-
-@dataclass(frozen=True)
-class ReadStats:
-    local_blocks: int = 0
-    same_host_blocks: int = 0
-    remote_blocks: int = 0
-    failed_runs: int = 0
+    @classmethod
+    def of(cls, info: directory_pb2.NodeInfo) -> Holder:
+        return cls(info.node_id, info.control_address, info.data_address, info.host)
 
 
 class ClusterClient:
@@ -85,7 +81,6 @@ class ClusterClient:
         self.transport = transport
         self.local = local
         self.host = host or socket.gethostname()
-        self._host_from_local = False  # take the host name of the local node once the directory knows it
         self.replicate_after = replicate_after
         self.same_host_shm = same_host_shm
         self.timeout_s = timeout_s
@@ -168,9 +163,7 @@ class ClusterClient:
                 client_node=self.local.node_id if self.local else "",
             ),
         )
-        if self._host_from_local:
-            self._learn_host(reply.nodes)
-        nodes = [Holder(n.node_id, n.control_address, n.data_address, n.host) for n in reply.nodes]
+        nodes = [Holder.of(n) for n in reply.nodes]
         out: list[list[Holder]] = []
         for mask in reply.holder_masks[: reply.hits]:
             out.append([node for bit, node in enumerate(nodes) if mask >> bit & 1])
@@ -179,14 +172,6 @@ class ClusterClient:
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` held by some live node."""
         return len(self.locate(hashes)[0])
-
-    def _learn_host(self, nodes: Sequence[Any]) -> None:
-        """Clients attached to a node live on that node's host (as the directory names it)."""
-        for info in nodes:
-            if self.local is not None and info.node_id == self.local.node_id and info.host:
-                self.host = info.host
-                self._host_from_local = False
-                return
 
     # -- reads ---------------------------------------------------------------------------
     def _rank(self, holder: Holder) -> int:
@@ -395,10 +380,7 @@ class ClusterClient:
                 replicas=replicas,
             ),
         )
-        results: list[PutResult] = []
-        for n in reply.nodes:
-            holder = Holder(n.node_id, n.control_address, n.data_address, n.host)
-            results.append(self._put_on(holder, hashes, blocks, rows))
+        results = [self._put_on(Holder.of(n), hashes, blocks, rows) for n in reply.nodes]
         return results[0] if results else PutResult(0, 0, 0, 0)
 
     def put_on(self, node_id: str, hashes: Sequence[bytes], blocks: Any) -> PutResult:
@@ -407,7 +389,7 @@ class ClusterClient:
         nodes = self.link.call("Nodes", directory_pb2.NodesRequest()).nodes
         for n in nodes:
             if n.node_id == node_id:
-                return self._put_on(Holder(n.node_id, n.control_address, n.data_address, n.host), hashes, blocks, rows)
+                return self._put_on(Holder.of(n), hashes, blocks, rows)
         raise InvalidArgument(f"node {node_id} is not registered with the directory")
 
     def _put_on(self, holder: Holder, hashes: Sequence[bytes], blocks: Any, rows: np.ndarray) -> PutResult:

@@ -34,6 +34,17 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll ``check`` until it holds or ``timeout_s`` passes; its last answer. For state that
+    converges asynchronously (events, heartbeats) in tests and demos: the caller asserts it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
 def wait_until(
     check: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen[bytes] | None = None
 ) -> None:
@@ -82,7 +93,11 @@ class LocalCluster:
         self.procs: list[Proc] = []
         self.etcd_address = ""
 
-    def _spawn(self, name: str, argv: Sequence[str], address: str) -> Proc:
+    def _spawn(self, name: str, argv: Sequence[str], address: str, etcd: bool = False) -> Proc:
+        """Start ``argv`` logging to ``<workdir>/<name>.log``; ``etcd`` passes ``--etcd`` when
+        this cluster runs one."""
+        if etcd and self.etcd_address:
+            argv = [*argv, "--etcd", self.etcd_address]
         log_path = os.path.join(self.workdir, f"{name}.log")
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=self.env)
@@ -151,9 +166,7 @@ class LocalCluster:
         ]
         if data_dir:
             argv += ["--data-dir", data_dir]
-        if etcd and self.etcd_address:
-            argv += ["--etcd", self.etcd_address]
-        proc = self._spawn(name, argv, address)
+        proc = self._spawn(name, argv, address, etcd)
 
         def ready() -> bool:
             with grpc.insecure_channel(address) as ch:
@@ -201,9 +214,7 @@ class LocalCluster:
         ]
         if directories:
             argv += ["--directory", ",".join(directories)]
-        if etcd and self.etcd_address:
-            argv += ["--etcd", self.etcd_address]
-        proc = self._spawn(name, argv, address)
+        proc = self._spawn(name, argv, address, etcd)
 
         def ready() -> bool:
             with grpc.insecure_channel(address) as ch:

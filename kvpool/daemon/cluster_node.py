@@ -150,7 +150,8 @@ class ClusterAgent:
             self.publisher = publisher
             self.supervisor.spawn("kv-events", lambda: publisher.run(self.node.events, self.supervisor.stopping))
 
-    def _info(self) -> dict[str, object]:
+    def _info(self) -> dict[str, str]:
+        """How peers reach this node: its etcd membership value and its NodeInfo addresses."""
         return {
             "control_address": self.config.listen,
             "data_address": self.data_address,
@@ -162,10 +163,7 @@ class ClusterAgent:
         summary = self.node.store.summary()
         return directory_pb2.NodeInfo(
             node_id=self.node.node_id,
-            control_address=self.config.listen,
-            data_address=self.data_address,
-            transport=self.cluster.transport,
-            host=self.host,
+            **self._info(),
             capacity_bytes=summary["capacity_bytes"],
             used_bytes=summary["used_bytes"],
             alive=True,

@@ -30,7 +30,6 @@ from kvpool.core.spec import KVSpec
 log = logging.getLogger("kvpool.directory")
 
 TIER_CODES = {"device": 2, "host": 0, "disk": 1}
-TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
 #: lower is better for reading: host DRAM first, then device, then disk
 TIER_RANK = {0: 0, 2: 1, 1: 2}
 MAX_HOLDERS_IN_REPLY = 64

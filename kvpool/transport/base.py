@@ -77,16 +77,14 @@ class BlockStore(Protocol):
         """(committed, checksum_failed)."""
         ...
 
+    def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
+        """Copy one received block into ``PutSlots.slots[slot]`` of put ``put_id``, checking
+        under the store lock that the put still holds that slot; False = reclaimed, nothing
+        written. Received bytes never go straight into the arena, so a slow writer's late
+        bytes cannot land in a slot that a newer put has reused."""
+        ...
+
     def put_abort(self, put_id: int) -> None: ...
-
-
-class SlotWriter(Protocol):
-    """``write_slot`` of a ``BlockStore`` (optional, looked up with ``getattr``): copy one
-    received block into ``PutSlots.slots[slot]`` of put ``put_id``, checking under the store
-    lock that the put still holds that slot; False = reclaimed, nothing written. A server whose
-    store has it never lets a slow writer's late bytes land in a slot reused by another put."""
-
-    def __call__(self, put_id: int, slot: int, data: np.ndarray, /) -> bool: ...
 
 
 class Transport(Protocol):

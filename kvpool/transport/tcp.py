@@ -22,9 +22,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.core.checksum import checksum64
-from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, NotFound, UnknownNamespace
+from kvpool.core.errors import (
+    CapacityExhausted,
+    InvalidArgument,
+    KVPoolError,
+    NotFound,
+    Unavailable,
+    UnknownNamespace,
+)
 from kvpool.transport import wire
-from kvpool.transport.base import BlockStore, ReadItem, ReadResult, SlotWriter, WriteResult
+from kvpool.transport.base import BlockStore, ReadItem, ReadResult, WriteResult
 
 log = logging.getLogger("kvpool.transport")
 
@@ -76,7 +83,6 @@ class TcpDataServer:
         self.address = listen
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._warned_unsafe_write = False
 
     def start(self) -> None:
         host, port = split_address(self._listen)
@@ -86,8 +92,6 @@ class TcpDataServer:
             sock.bind((host, port))
         except OSError as exc:
             sock.close()
-            from kvpool.core.errors import Unavailable
-
             raise Unavailable(
                 f"data plane cannot listen on {self._listen}: {exc}",
                 hint="pick a free port with --data-listen 127.0.0.1:PORT",
@@ -210,20 +214,20 @@ class TcpDataServer:
                     length = size - off
                 chunk = arena[offset + off : offset + off + length]
                 whole = off == 0 and length == size
-                if not whole and offset not in verified and checksum64(arena[offset : offset + size]) == checksum:
-                    verified.add(offset)
                 if not whole and offset not in verified:
                     # the reader cannot check a range against the committed checksum: we check
                     # the whole block here, and a block that rotted after commit is a miss
-                    log.warning(
-                        "data plane: block %s (item %d) no longer matches its committed checksum: "
-                        "serving %d of %d items, the rest are misses",
-                        key.hex(),
-                        i,
-                        i,
-                        len(items),
-                    )
-                    break
+                    if checksum64(arena[offset : offset + size]) != checksum:
+                        log.warning(
+                            "data plane: block %s (item %d) no longer matches its committed checksum: "
+                            "serving %d of %d items, the rest are misses",
+                            key.hex(),
+                            i,
+                            i,
+                            len(items),
+                        )
+                        break
+                    verified.add(offset)
                 metas.append(wire.READ_META.pack(length, checksum if whole else checksum64(chunk)))
                 views.append(memoryview(chunk))  # type: ignore[arg-type]
         except BaseException:
@@ -265,28 +269,16 @@ class TcpDataServer:
         except KVPoolError as err:
             conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, str(err)))
             return False
-        write_slot: SlotWriter | None = getattr(self._store, "write_slot", None)
-        if write_slot is None and not self._warned_unsafe_write:
-            self._warned_unsafe_write = True
-            log.warning(
-                "data plane: the block store has no write_slot(): remote writes land straight in "
-                "their slots, and a writer whose put is reclaimed can overwrite another block"
-            )
-        arena = self._store.arena()
-        slot_of = {index: (j, offset) for j, (index, offset) in enumerate(slots.slots)}
+        slot_of = {index: j for j, (index, _) in enumerate(slots.slots)}
         buffer = np.empty(block_bytes, dtype=np.uint8)  # one block: the only private memory a writer gets
         reclaimed = False
         try:
             for i in range(count):
+                wire.recv_into_exact(conn, memoryview(buffer))  # type: ignore[arg-type]
                 slot = slot_of.get(i)
-                if slot is not None and write_slot is None:  # legacy store: straight into the slot
-                    offset = slot[1]
-                    wire.recv_into_exact(conn, memoryview(arena[offset : offset + block_bytes]))  # type: ignore[arg-type]
-                else:
-                    wire.recv_into_exact(conn, memoryview(buffer))  # type: ignore[arg-type]
-                    if slot is not None and not reclaimed and write_slot is not None:
-                        # copied under the store lock, only while the put still holds the slot
-                        reclaimed = not write_slot(slots.put_id, slot[0], buffer)
+                if slot is not None and not reclaimed:
+                    # copied under the store lock, only while the put still holds the slot
+                    reclaimed = not self._store.write_slot(slots.put_id, slot, buffer)
                 self.bytes_received += block_bytes
         except BaseException:
             if slots.put_id:

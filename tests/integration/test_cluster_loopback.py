@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -18,7 +18,7 @@ import pytest
 from kvpool.client.cluster_client import ClusterClient
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.cluster_events import decode_batch
-from kvpool.daemon.cluster_local import LocalCluster, etcd_binary, free_port
+from kvpool.daemon.cluster_local import LocalCluster, etcd_binary, eventually, free_port
 from kvpool.proto import directory_pb2, directory_pb2_grpc
 from kvpool.transport.factory import ucx_available
 
@@ -32,15 +32,6 @@ SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=32, dtype="fl
 
 def blocks(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1 << 15, size=(n, *SPEC.block_shape)).astype(np.float16)
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 @pytest.fixture

@@ -5,26 +5,15 @@ directory reach the holders; a node that stops heartbeating is dropped."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 
 import numpy as np
 
 from kvpool.client.cluster_client import ClusterClient
 from kvpool.core.spec import KVSpec
-from kvpool.daemon.cluster_local import LocalCluster
+from kvpool.daemon.cluster_local import LocalCluster, eventually
 from kvpool.proto import directory_pb2
 
 SPEC = KVSpec(model="tiny", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def test_same_host_reads_map_the_other_nodes_arena(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -34,13 +34,18 @@ def node(name: str) -> NodeRecord:
     return NodeRecord(name, f"{name}:1", f"{name}:2", "tcp", "h-" + name, 1 << 30, 0, 1)
 
 
-def test_every_hit_names_at_least_one_holder() -> None:
+def hot_first_block() -> DirectoryState:
+    """KEYS[0] held by MAX_HOLDERS_IN_REPLY nodes (a hot, replicated system prompt), KEYS[:2]
+    by one more node, 'late': a lookup of KEYS[:2] has more holders than a reply may name."""
     s = DirectoryState(FakeClock(), node_ttl_ms=1000)
-    # KEYS[0] is held by MAX_HOLDERS_IN_REPLY nodes (a hot, replicated system prompt) ...
     for i in range(MAX_HOLDERS_IN_REPLY):
         s.register(node(f"n{i:03d}"), HASH_SCHEME, [NS_ROW], KEYS[:1], b"")
-    # ... and KEYS[1] only by one more node
     s.register(node("late"), HASH_SCHEME, [NS_ROW], KEYS[:2], b"")
+    return s
+
+
+def test_every_hit_names_at_least_one_holder() -> None:
+    s = hot_first_block()
     result = s.lookup(KEYS[:2])
     assert len(result.nodes) <= MAX_HOLDERS_IN_REPLY
     for i in range(result.hits):
@@ -90,10 +95,7 @@ def test_a_torn_flush_does_not_leave_the_directory_silently_stale(tmp_path) -> N
 
 
 def test_a_capped_reply_keeps_the_holder_that_reaches_furthest() -> None:
-    s = DirectoryState(FakeClock(), node_ttl_ms=1000)
-    for i in range(MAX_HOLDERS_IN_REPLY):
-        s.register(node(f"n{i:03d}"), HASH_SCHEME, [NS_ROW], KEYS[:1], b"")
-    s.register(node("late"), HASH_SCHEME, [NS_ROW], KEYS[:2], b"")
+    s = hot_first_block()
     result = s.lookup(KEYS[:2])
     # 'late' holds both blocks: naming it makes the second block a hit too
     assert result.hits == 2

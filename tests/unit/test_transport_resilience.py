@@ -5,53 +5,18 @@ cannot lease (max_leases) answers with an error status instead of dropping the c
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import transport_helpers as helpers
+from transport_helpers import BB, NS_DIGEST, blocks, keys, make_node
 
-from kvpool.core.clock import MonotonicClock
-from kvpool.core.config import DaemonConfig, StoreConfig
-from kvpool.core.hashing import HASH_SCHEME, block_hashes
-from kvpool.core.spec import KVSpec, Namespace
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport.base import ReadItem
 from kvpool.transport.tcp import TcpDataServer, TcpTransport
 
-SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8)
-NS = Namespace(SPEC, b"tenant")
-NS_DIGEST = NS.digest()
-BB = SPEC.block_bytes
-
-
-def make_node(tmp_path, max_leases: int = 100_000) -> PoolNode:  # type: ignore[no-untyped-def]
-    store = StoreConfig(capacity_bytes=4 << 20, slab_bytes=64 << 10, max_leases=max_leases)
-    node = PoolNode(DaemonConfig(arena_dir=str(tmp_path), store=store), MonotonicClock())
-    node.register(HASH_SCHEME, SPEC, NS_DIGEST, SPEC.digest())
-    return node
-
-
-@pytest.fixture
-def node(tmp_path) -> Iterator[PoolNode]:  # type: ignore[no-untyped-def]
-    pool_node = make_node(tmp_path)
-    yield pool_node
-    pool_node.close()
-
-
-@pytest.fixture
-def transport() -> Iterator[TcpTransport]:
-    t = TcpTransport(timeout_s=2.0)
-    yield t
-    t.close()
-
-
-def keys(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(NS, np.arange(start * 8, (start + n) * 8))
-
-
-def blocks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, size=(n, BB), dtype=np.uint8)
+node, transport = helpers.node, helpers.transport  # the shared fixtures
 
 
 def test_node_restarted_on_the_same_port_costs_no_miss(node: PoolNode, transport: TcpTransport) -> None:

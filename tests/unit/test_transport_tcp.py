@@ -7,59 +7,21 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import transport_helpers as helpers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transport_helpers import BB, NS_DIGEST, SPEC, blocks, keys
 
-from kvpool.core.clock import MonotonicClock
-from kvpool.core.config import DaemonConfig, StoreConfig
-from kvpool.core.hashing import HASH_SCHEME, block_hashes
-from kvpool.core.spec import KVSpec, Namespace
-from kvpool.daemon.cluster_node import NodeBlockStore
+from kvpool.core.hashing import HASH_SCHEME
+from kvpool.core.spec import Namespace
 from kvpool.daemon.node import PoolNode
 from kvpool.transport.base import ReadItem
 from kvpool.transport.tcp import TcpDataServer, TcpTransport
 
-SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8)
-NS = Namespace(SPEC, b"tenant")
-NS_DIGEST = NS.digest()
-BB = SPEC.block_bytes
-
-
-def blocks(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 255, size=(n, BB), dtype=np.uint8)
-
-
-@pytest.fixture
-def node(tmp_path) -> Iterator[PoolNode]:  # type: ignore[no-untyped-def]
-    config = DaemonConfig(arena_dir=str(tmp_path), store=StoreConfig(capacity_bytes=4 << 20, slab_bytes=64 << 10))
-    pool_node = PoolNode(config, MonotonicClock())
-    pool_node.register(HASH_SCHEME, SPEC, NS_DIGEST, SPEC.digest())
-    yield pool_node
-    pool_node.close()
-
-
-@pytest.fixture
-def server(node: PoolNode) -> Iterator[TcpDataServer]:
-    srv = TcpDataServer(NodeBlockStore(node), "127.0.0.1:0")
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def transport() -> Iterator[TcpTransport]:
-    t = TcpTransport(timeout_s=2.0)
-    yield t
-    t.close()
-
-
-def keys(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(NS, np.arange(start * 8, (start + n) * 8))
+node, server, transport = helpers.node, helpers.server, helpers.transport  # the shared fixtures
 
 
 def test_write_then_read_whole_blocks(server: TcpDataServer, transport: TcpTransport, node: PoolNode) -> None:
