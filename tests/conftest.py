@@ -24,18 +24,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvpool.daemon.cluster_local import free_port
+
+__all__ = ["free_port"]  # tests import it from here
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 _LIVE: list[DaemonHandle] = []  # every daemon started in this session, cleaned up at its end
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

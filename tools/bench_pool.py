@@ -25,15 +25,10 @@ import numpy as np
 
 from kvpool import KVSpec, PoolClient
 from kvpool.core.hashing import chain_hashes
+from kvpool.daemon.cluster_local import free_port
 
 KiB = 1024
 MiB = 1024 * KiB
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_daemon(capacity: str) -> tuple[subprocess.Popen[bytes], str]:
