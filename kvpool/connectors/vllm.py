@@ -1,35 +1,43 @@
-"""vLLM ``KVConnectorBase_V1`` adapter: vLLM's paged KV <-> the pool's canonical blocks.
+"""vLLM ``KVConnectorBase_V1`` adapter (vLLM 0.32): vLLM's paged KV <-> the pool's canonical blocks.
 
-The logic lives in ``VllmPoolConnectorLogic`` (no vLLM import, unit-tested here); the
-class vLLM loads, ``KvpoolConnector``, is built on first attribute access (PEP 562
-``__getattr__``) by subclassing the real ``KVConnectorBase_V1``, so importing this module
-never needs vLLM. Configure vLLM with::
+Configure vLLM with (docs/vllm.md has the multi-instance and prefill/decode lines)::
 
     --kv-transfer-config '{"kv_connector": "KvpoolConnector", "kv_role": "kv_both",
       "kv_connector_module_path": "kvpool.connectors.vllm",
-      "kv_connector_extra_config": {"pool_address": "127.0.0.1:7450", "salt": "tenant-a", "block_tokens": 64}}'
+      "kv_connector_extra_config": {"pool_address": "127.0.0.1:7450", "salt": "tenant-a"}}'
+
+The split follows vLLM's own ``kv_offload``: the scheduler side decides what to load and
+save and sends a small message (``ConnectorMetadata``) to the worker side, which moves bytes.
 
 Scheduler side: ``get_num_new_matched_tokens`` hashes the prompt in the pool namespace and
-asks the pool for its longest cached prefix (whole pool blocks, never the last prompt
-token); ``update_state_after_alloc`` records which engine pages those blocks go to;
-``build_connector_meta`` hands the loads and the saves (prompt blocks completed this step)
-to the workers; ``request_finished`` returns False (saves are synchronous, pages may be
-freed at once).
+asks the pool how many whole pool blocks beyond vLLM's own (block-aligned) prefix hit it
+holds, never the last prompt token; ``update_state_after_alloc`` records which block ids
+those go to; ``build_connector_meta`` hands the loads and the saves (prompt blocks that
+become complete in this step, past what the pool already had) to the workers.
 
-Worker side: ``register_kv_caches`` takes vLLM's per-layer ``[2, num_blocks, block_size,
-kv_heads, head_size]`` tensors (FlashAttention NHD layout); ``start_load_kv`` reads blocks
-from the pool and scatters them into the pages; a block that fails verification is not
-scattered and its engine block ids are reported by ``get_block_ids_with_load_errors`` so
-vLLM recomputes them; ``wait_for_save`` gathers completed blocks and puts them.
+Worker side: ``register_kv_caches`` reads the layout from what vLLM reports — the
+attention backend of each layer and the registered ``[B, H, N, C]`` tensors
+(``vllm_layout``) — and refuses what it does not know. ``start_load_kv`` reads blocks from
+the pool and scatters them into the pages (synchronously, before the forward); a block
+that fails verification (or a pool that vanished) is not scattered and its block ids are
+reported by ``get_block_ids_with_load_errors`` so vLLM recomputes them. ``wait_for_save``
+gathers the completed blocks into a private buffer (the only part on the engine's step)
+and queues the put for a background writer thread, so checksumming and copying into the
+pool never stall the step; a full queue drops the save (counted: the pool is a cache).
 
-What was verified against a live vLLM: nothing (vLLM is not installable here). See
-docs/engine.md for the exact list.
+Anything unsupported (see ``vllm_spec``) or a pool that is not there makes the connector
+inert with one clear log line and vLLM serves on without it, unless the option
+``strict`` is set, in which case the engine refuses to start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import queue
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,20 +45,23 @@ from typing import Any
 import torch
 
 from kvpool.connectors.pool_api import BlockPool
-from kvpool.core.errors import InvalidArgument
+from kvpool.connectors.vllm_layout import VllmCacheLayout, describe_caches, kv_view, manager_to_kernel_pages
+from kvpool.core.errors import InvalidArgument, KVPoolError
 from kvpool.core.spec import KVSpec
-from kvpool.kernels.paged import PagedLayout, gather_blocks, scatter_blocks
+from kvpool.kernels.paged import PagedLayout, check_caches, gather_blocks, scatter_blocks, tp_head_range
+
+log = logging.getLogger("kvpool.connectors.vllm")
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class BlockTransfer:
-    """Pool blocks [first_block, first_block + len(hashes)) of a request and their engine pages."""
+    """Pool blocks of a request and the vLLM block ids that hold exactly those blocks."""
 
     request_id: str
     hashes: tuple[bytes, ...]
-    page_ids: tuple[int, ...]  # engine block ids covering exactly these pool blocks, in order
+    page_ids: tuple[int, ...]  # vLLM (scheduler) block ids covering these pool blocks, in order
 
 
 @dataclass
@@ -61,11 +72,28 @@ class ConnectorMetadata:
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
+@dataclass
+class ConnectorStats:
+    """What the connector did; written as JSON by the option ``stats_path`` at shutdown."""
+
+    lookups: int = 0
+    lookup_prompt_tokens: int = 0
+    hit_tokens: int = 0  # tokens offered to vLLM beyond its own prefix cache
+    load_blocks: int = 0
+    load_failed_blocks: int = 0
+    saved_blocks: int = 0
+    dropped_save_blocks: int = 0
+    steps: int = 0
+    load_s: float = 0.0  # engine-step time in start_load_kv
+    save_s: float = 0.0  # engine-step time in wait_for_save (the gather)
+    scheduler_s: float = 0.0  # scheduler time in lookups and planning
+
+
 def pages_for_blocks(block_ids: Sequence[int], first_block: int, num_blocks: int, pages_per_block: int) -> list[int]:
-    """Engine pages of pool blocks [first_block, first_block + num_blocks) from a request's block table."""
+    """Block ids of pool blocks [first_block, first_block + num_blocks) from a request's block table."""
     start, end = first_block * pages_per_block, (first_block + num_blocks) * pages_per_block
     if end > len(block_ids):
-        raise InvalidArgument(f"block table has {len(block_ids)} pages, {end} needed for pool blocks up to {end}")
+        raise InvalidArgument(f"block table has {len(block_ids)} blocks, {end} needed for pool blocks up to {end}")
     return list(block_ids[start:end])
 
 
@@ -81,43 +109,98 @@ def layer_order(names: Sequence[str]) -> list[str]:
     return sorted(names, key=index)
 
 
+class BackgroundSaver:
+    """One named thread that puts gathered blocks into the pool, bounded by queued bytes."""
+
+    def __init__(self, pool: BlockPool, max_pending_bytes: int, stats: ConnectorStats) -> None:
+        self._pool = pool
+        self._max_pending_bytes = max_pending_bytes
+        self._stats = stats
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor] | None] = queue.SimpleQueue()
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._run, name="kvpool-vllm-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, hashes: list[bytes], blocks: torch.Tensor) -> bool:
+        nbytes = blocks.numel() * blocks.element_size()
+        with self._lock:
+            if self._pending_bytes + nbytes > self._max_pending_bytes:
+                self._stats.dropped_save_blocks += len(hashes)
+                return False
+            self._pending_bytes += nbytes
+        self._queue.put((hashes, blocks))
+        return True
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            hashes, blocks = item
+            try:
+                self._pool.put(hashes, blocks)
+                self._stats.saved_blocks += len(hashes)
+            except KVPoolError as err:  # a refused put is a lost cache entry, never an engine error
+                log.warning("kvpool: a save of %d blocks failed: %s", len(hashes), err)
+                self._stats.dropped_save_blocks += len(hashes)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= blocks.numel() * blocks.element_size()
+                    self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued save is written (tests, shutdown)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending_bytes == 0, timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.drain(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
 class VllmPoolConnectorLogic:
-    """Both sides of the connector without vLLM: requests are passed in as plain values."""
+    """Both sides of the connector without vLLM: requests are passed in as plain values.
+
+    ``block_size`` is vLLM's (scheduler) block size; the pool block is a whole number of them.
+    """
 
     def __init__(
         self,
         spec: KVSpec,
         pool: BlockPool,
-        page_tokens: int,
+        block_size: int,
         tp_rank: int = 0,
         tp_size: int = 1,
         head_allgather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        max_pending_save_bytes: int = 256 << 20,
     ) -> None:
         """``head_allgather`` (needed to save with TP > 1): concatenates every TP rank's
         ``[n, layers, kv, local_heads, tokens, dim]`` tensor along dim 3 in rank order, e.g.
         vLLM's ``get_tp_group().all_gather(t, dim=3)``. Rank 0 then puts whole blocks."""
-        from kvpool.kernels.paged import tp_head_range
-
-        if spec.block_tokens % page_tokens:
+        if block_size <= 0 or spec.block_tokens % block_size:
             raise InvalidArgument(
-                f"pool block_tokens {spec.block_tokens} must be a multiple of vLLM block_size {page_tokens}"
+                f"pool block_tokens {spec.block_tokens} must be a multiple of vLLM block_size {block_size}"
             )
         self.spec = spec
         self.pool = pool
-        self.page_tokens = page_tokens
-        self.pages_per_block = spec.block_tokens // page_tokens
+        self.block_size = block_size
+        self.pages_per_block = spec.block_tokens // block_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        head_start, heads = tp_head_range(spec.num_kv_heads, tp_size, tp_rank)
-        self.layout = PagedLayout(page_tokens, heads, spec.head_dim, "NHD", head_start)
+        self.head_start, self.local_heads = tp_head_range(spec.num_kv_heads, tp_size, tp_rank)
         self.head_allgather = head_allgather
+        self.max_pending_save_bytes = max_pending_save_bytes
+        self.stats = ConnectorStats()
         # scheduler side
         self._hashes: dict[str, list[bytes]] = {}
+        self._offered: dict[str, tuple[int, int]] = {}  # req -> (local computed tokens, tokens offered)
         self._pending_loads: list[BlockTransfer] = []
-        self._saved_blocks: dict[str, int] = {}
+        self._saved_blocks: dict[str, int] = {}  # req -> pool blocks already in the pool or planned
         # worker side
-        self._kv_caches: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self._cache_layout: VllmCacheLayout | None = None
+        self._paged: PagedLayout | None = None
         self._load_errors: set[int] = set()
-        self.metadata: ConnectorMetadata | None = None
+        self._saver: BackgroundSaver | None = None
 
     # -- scheduler side -------------------------------------------------------------------
     def request_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
@@ -129,29 +212,43 @@ class VllmPoolConnectorLogic:
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
     ) -> tuple[int, bool]:
         """(tokens the pool adds beyond vLLM's own prefix cache, load asynchronously?)."""
-        if num_computed_tokens % self.spec.block_tokens:
-            # vLLM's own prefix hit ends inside a pool block: loading that block would rewrite
-            # pages vLLM already holds (and may share with running requests). Load nothing.
-            return 0, False
-        hashes = self.request_hashes(request_id, token_ids)
-        usable = (len(token_ids) - 1) // self.spec.block_tokens
-        hit_tokens = self.pool.lookup(hashes[:usable]) * self.spec.block_tokens if usable else 0
-        return max(0, hit_tokens - num_computed_tokens), False
+        t0 = time.perf_counter()
+        try:
+            t = self.spec.block_tokens
+            usable = (len(token_ids) - 1) // t  # never the last prompt token: vLLM must compute it
+            if num_computed_tokens % t or usable == 0:
+                # vLLM's own hit ends inside a pool block: loading it would rewrite pages vLLM
+                # holds (and may share with running requests). Assume those blocks are stored.
+                self._saved_blocks[request_id] = num_computed_tokens // t
+                return 0, False
+            hashes = self.request_hashes(request_id, token_ids)
+            self.stats.lookups += 1
+            self.stats.lookup_prompt_tokens += len(token_ids)
+            hit_blocks = self.pool.lookup(hashes[:usable])
+            # saves start where the pool's prefix ends, also under vLLM's own hit: a block the
+            # pool lost (evicted, corrupt, restarted) is stored again by whoever has it
+            self._saved_blocks[request_id] = hit_blocks
+            extra = max(0, hit_blocks * t - num_computed_tokens)
+            if extra:
+                self._offered[request_id] = (num_computed_tokens, extra)
+            return extra, False
+        finally:
+            self.stats.scheduler_s += time.perf_counter() - t0
 
-    def update_state_after_alloc(
-        self, request_id: str, block_ids: Sequence[int], num_computed_tokens: int, num_external_tokens: int
-    ) -> None:
-        """Record the load of the pool blocks covering the external tokens into their pages."""
-        if num_external_tokens <= 0:
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Record the load of the offered pool blocks into their block ids."""
+        offered = self._offered.pop(request_id, None)
+        if num_external_tokens <= 0 or offered is None:
             return
+        local, extra = offered
         t = self.spec.block_tokens
-        if num_computed_tokens % t or num_external_tokens % t:
-            raise InvalidArgument("external tokens must start and end on pool block boundaries")
-        first, count = num_computed_tokens // t, num_external_tokens // t
+        if num_external_tokens != extra or num_external_tokens % t:
+            raise InvalidArgument(f"vLLM accepted {num_external_tokens} external tokens; the pool offered {extra}")
+        first, count = local // t, num_external_tokens // t
         hashes = self._hashes[request_id][first : first + count]
         pages = pages_for_blocks(block_ids, first, count, self.pages_per_block)
         self._pending_loads.append(BlockTransfer(request_id, tuple(hashes), tuple(pages)))
-        self._saved_blocks[request_id] = max(self._saved_blocks.get(request_id, 0), first + count)
+        self.stats.hit_tokens += num_external_tokens
 
     def plan_save(
         self,
@@ -180,183 +277,123 @@ class VllmPoolConnectorLogic:
 
     def request_finished(self, request_id: str) -> tuple[bool, dict[str, Any] | None]:
         self._hashes.pop(request_id, None)
+        self._offered.pop(request_id, None)
         self._saved_blocks.pop(request_id, None)
-        return False, None
+        return False, None  # saves were gathered in the step that completed them
 
     # -- worker side ------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], backend: str, num_blocks: int | None = None
+    ) -> VllmCacheLayout:
+        """Take vLLM's ``[B, H, N, C]`` per-layer tensors; ``backend`` is the attention
+        backend's ``get_name()``, ``num_blocks`` the scheduler's block count (None: B)."""
         ordered = [kv_caches[name] for name in layer_order(list(kv_caches))]
-        from kvpool.kernels.paged import check_caches
+        blocks = num_blocks if num_blocks is not None else int(ordered[0].shape[0])
+        layout = describe_caches(backend, ordered, blocks, self.spec.head_dim)
+        if layout.manager_block_tokens != self.block_size:
+            raise InvalidArgument(
+                f"vLLM pages of {layout.page_tokens} tokens x {layout.pages_per_manager_block} do not make "
+                f"its block size {self.block_size}"
+            )
+        views = [kv_view(c, layout) for c in ordered]
+        paged = PagedLayout(layout.page_tokens, layout.num_kv_heads, self.spec.head_dim, "HND", self.head_start)
+        check_caches(self.spec, paged, views)  # refuse another dtype/heads/layers before a byte moves
+        self._cache_layout, self._paged, self._views = layout, paged, views
+        if self._saver is None and (self.tp_size == 1 or self.tp_rank == 0):
+            self._saver = BackgroundSaver(self.pool, self.max_pending_save_bytes, self.stats)
+        return layout
 
-        check_caches(self.spec, self.layout, ordered)  # refuse another layout/dtype/heads up front
-        self._kv_caches = ordered
+    def _kernel_pages(self, page_ids: Sequence[int]) -> list[int]:
+        assert self._cache_layout is not None, "register_kv_caches first"
+        return manager_to_kernel_pages(page_ids, self._cache_layout.pages_per_manager_block)
 
-    def _buffer(self, n: int) -> torch.Tensor:
-        return torch.empty(n, *self.spec.block_shape, dtype=self._kv_caches[0].dtype)  # fully overwritten
+    def _buffer(self, n: int, spec: KVSpec | None = None) -> torch.Tensor:
+        return torch.empty(n, *(spec or self.spec).block_shape, dtype=self._views[0].dtype)  # fully overwritten
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        if not metadata.loads:
+            return
+        t0 = time.perf_counter()
+        assert self._paged is not None, "register_kv_caches first"
         for load in metadata.loads:
             n = len(load.hashes)
             buf = self._buffer(n)
             got = self.pool.get_into(list(load.hashes), buf)
             if got:
-                scatter_blocks(self.spec, self.layout, buf, self._kv_caches, list(load.page_ids), got)
-            if got < n:  # verification failed or the block vanished: vLLM must recompute these pages
+                pages = self._kernel_pages(load.page_ids[: got * self.pages_per_block])
+                scatter_blocks(self.spec, self._paged, buf, self._views, pages, got)
+            self.stats.load_blocks += got
+            if got < n:  # failed verification, evicted, or the pool is gone: vLLM recomputes these
+                self.stats.load_failed_blocks += n - got
                 self._load_errors.update(load.page_ids[got * self.pages_per_block :])
+        self.stats.load_s += time.perf_counter() - t0
 
     def wait_for_save(self, metadata: ConnectorMetadata) -> None:
-        if self.tp_size == 1:
-            for save in metadata.saves:
-                n = len(save.hashes)
-                buf = self._buffer(n)
-                gather_blocks(self.spec, self.layout, self._kv_caches, list(save.page_ids), buf, n)
-                self.pool.put(list(save.hashes), buf)
+        self.stats.steps += 1
+        if not metadata.saves:
             return
+        t0 = time.perf_counter()
+        assert self._paged is not None, "register_kv_caches first"
+        try:
+            if self.tp_size == 1:
+                for save in metadata.saves:
+                    n = len(save.hashes)
+                    buf = self._buffer(n)
+                    gather_blocks(self.spec, self._paged, self._views, self._kernel_pages(save.page_ids), buf, n)
+                    self._submit(list(save.hashes), buf)
+                return
+            self._save_tp(metadata)
+        finally:
+            self.stats.save_s += time.perf_counter() - t0
+
+    def _submit(self, hashes: list[bytes], blocks: torch.Tensor) -> None:
+        if self._saver is not None:
+            self._saver.submit(hashes, blocks)
+
+    def _save_tp(self, metadata: ConnectorMetadata) -> None:
+        assert self._paged is not None
         if self.head_allgather is None or self.tp_size > self.spec.num_kv_heads:
             raise InvalidArgument(
                 f"saving from TP={self.tp_size} needs head_allgather and at most {self.spec.num_kv_heads} ranks",
                 hint="pass head_allgather (the TP group's all_gather on dim 3), or save from a TP=1 instance",
             )
-        local_spec = dataclasses.replace(self.spec, num_kv_heads=self.layout.num_kv_heads)
-        local_layout = dataclasses.replace(self.layout, head_start=0)
+        local_spec = dataclasses.replace(self.spec, num_kv_heads=self._paged.num_kv_heads)
+        local_layout = dataclasses.replace(self._paged, head_start=0)
         for save in metadata.saves:  # every rank must walk the same saves: the all-gather is collective
             n = len(save.hashes)
-            local = torch.empty(n, *local_spec.block_shape, dtype=self._kv_caches[0].dtype)
-            gather_blocks(local_spec, local_layout, self._kv_caches, list(save.page_ids), local, n)
+            local = self._buffer(n, local_spec)
+            gather_blocks(local_spec, local_layout, self._views, self._kernel_pages(save.page_ids), local, n)
             full = self.head_allgather(local)
             if tuple(full.shape) != (n, *self.spec.block_shape):
                 raise InvalidArgument(
                     f"head_allgather returned {tuple(full.shape)}, not [{n}, *{self.spec.block_shape}]"
                 )
             if self.tp_rank == 0:
-                self.pool.put(list(save.hashes), full.cpu().contiguous())
+                self._submit(list(save.hashes), full.cpu().contiguous())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def drain_saves(self, timeout_s: float = 30.0) -> bool:
+        return self._saver.drain(timeout_s) if self._saver is not None else True
 
-def _build_vllm_class() -> type:
-    """Subclass the real KVConnectorBase_V1 (needs vLLM installed). Unverified against a live vLLM."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
-        KVConnectorBase_V1,
-        KVConnectorMetadata,
-        KVConnectorRole,
-    )
-
-    class _Meta(ConnectorMetadata, KVConnectorMetadata):  # type: ignore[misc]
-        pass
-
-    class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-            super().__init__(vllm_config, role, kv_cache_config)
-            from kvpool.client import PoolClient
-
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-            mc, pc = vllm_config.model_config, vllm_config.parallel_config
-            page = vllm_config.cache_config.block_size
-            spec = KVSpec(
-                model=mc.model,
-                revision=str(getattr(mc, "revision", "") or ""),
-                num_layers=mc.get_num_layers(pc),
-                num_kv_heads=mc.get_total_num_kv_heads(),
-                head_dim=mc.get_head_size(),
-                dtype=str(mc.dtype).removeprefix("torch."),
-                block_tokens=int(extra.get("block_tokens", page)),
-            )
-            client = PoolClient.connect(extra["pool_address"], spec, salt=str(extra.get("salt", "")).encode())
-            tp_size = pc.tensor_parallel_size
-            rank, allgather = 0, None
-            if role == KVConnectorRole.WORKER and tp_size > 1:
-                from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
-
-                group = get_tp_group()
-                rank = group.rank_in_group
-
-                def allgather(t: torch.Tensor) -> torch.Tensor:
-                    return group.all_gather(t.to(group.device), dim=3)  # type: ignore[no-any-return]
-
-            self._logic = VllmPoolConnectorLogic(spec, client, page, rank, tp_size, allgather)
-            self._prompts: dict[str, tuple[list[int], list[int]]] = {}  # req id -> (prompt, block table)
-
-        # scheduler side
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-            return self._logic.get_num_new_matched_tokens(
-                request.request_id, request.prompt_token_ids, num_computed_tokens
-            )
-
-        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-            self._logic.update_state_after_alloc(
-                request.request_id, block_ids, request.num_computed_tokens, num_external_tokens
-            )
-
-        def build_connector_meta(self, scheduler_output: Any) -> Any:
-            saves = []
-            for req in scheduler_output.scheduled_new_reqs:
-                self._prompts[req.req_id] = (list(req.prompt_token_ids), list(req.block_ids[0]))
-                plan = self._logic.plan_save(
-                    req.req_id,
-                    req.prompt_token_ids,
-                    req.block_ids[0],
-                    req.num_computed_tokens,
-                    scheduler_output.num_scheduled_tokens[req.req_id],
-                )
-                if plan is not None:
-                    saves.append(plan)
-            cached: Any = getattr(scheduler_output, "scheduled_cached_reqs", None)
-            for i, req_id in enumerate(getattr(cached, "req_ids", None) or []):
-                if req_id not in self._prompts:
-                    continue
-                prompt, table = self._prompts[req_id]
-                new_blocks = cached.new_block_ids[i]
-                if new_blocks is not None:
-                    table.extend(new_blocks[0])
-                if cached.num_computed_tokens[i] >= len(prompt):
-                    continue  # decoding: nothing of the prompt left to save
-                plan = self._logic.plan_save(
-                    req_id, prompt, table, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id]
-                )
-                if plan is not None:
-                    saves.append(plan)
-            meta = self._logic.build_connector_meta(saves)
-            return _Meta(loads=meta.loads, saves=meta.saves)
-
-        def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-            self._prompts.pop(request.request_id, None)
-            return self._logic.request_finished(request.request_id)
-
-        # worker side
-        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-            self._logic.register_kv_caches(kv_caches)
-
-        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            self._logic.start_load_kv(self._get_connector_metadata())
-
-        def wait_for_layer_load(self, layer_name: str) -> None:
-            return None  # loads are synchronous in start_load_kv
-
-        def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-            return None  # whole blocks are gathered after the forward, in wait_for_save
-
-        def wait_for_save(self) -> None:
-            self._logic.wait_for_save(self._get_connector_metadata())
-
-        def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-            return None, None
-
-        def get_block_ids_with_load_errors(self) -> set[int]:
-            return self._logic.get_block_ids_with_load_errors()
-
-    return KvpoolConnector
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.stop()
+            self._saver = None
 
 
 _BUILT: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> Any:
+    """``KvpoolConnector`` is built on first access (PEP 562) by subclassing the real
+    ``KVConnectorBase_V1``, so importing this module never needs vLLM."""
     if name == "KvpoolConnector":
         if name not in _BUILT:
-            _BUILT[name] = _build_vllm_class()
+            from kvpool.connectors.vllm_engine import build_vllm_class
+
+            _BUILT[name] = build_vllm_class()
         return _BUILT[name]
     raise AttributeError(name)
