@@ -74,6 +74,14 @@ class SpecMismatch(KVPoolError):
     code = ErrorCode.SPEC_MISMATCH
 
 
+class UnsupportedModel(InvalidArgument):
+    """A model (or engine configuration) whose KV the pool cannot hold exactly.
+
+    Raised by the engine connectors before any forward runs, so an unsupported model is never
+    served wrong KV. Client-side only: it crosses no wire (its code is INVALID_ARGUMENT).
+    """
+
+
 class UnknownNamespace(KVPoolError):
     code = ErrorCode.UNKNOWN_NAMESPACE
 
