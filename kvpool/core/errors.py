@@ -25,6 +25,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 4)
     VERSION_MISMATCH = ("VERSION_MISMATCH", 9)  # scheme or protocol version differs
     NOT_LEADER = ("NOT_LEADER", 9)  # talk to the leader instead
+    UNSUPPORTED_MODEL = ("UNSUPPORTED_MODEL", 12)  # UNIMPLEMENTED: the pool cannot hold this model's KV exactly
     STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
     INTERNAL = ("INTERNAL", 13)
 
@@ -74,12 +75,14 @@ class SpecMismatch(KVPoolError):
     code = ErrorCode.SPEC_MISMATCH
 
 
-class UnsupportedModel(InvalidArgument):
+class UnsupportedModel(KVPoolError):
     """A model (or engine configuration) whose KV the pool cannot hold exactly.
 
-    Raised by the engine connectors before any forward runs, so an unsupported model is never
-    served wrong KV. Client-side only: it crosses no wire (its code is INVALID_ARGUMENT).
+    Raised by the engine connectors before any prompt runs, so an unsupported model is never
+    served wrong KV; the hint says what to do instead.
     """
+
+    code = ErrorCode.UNSUPPORTED_MODEL
 
 
 class UnknownNamespace(KVPoolError):
@@ -131,6 +134,7 @@ _BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
     for cls in (
         InvalidArgument,
         SpecMismatch,
+        UnsupportedModel,
         UnknownNamespace,
         NotFound,
         CapacityExhausted,
