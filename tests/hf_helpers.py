@@ -44,6 +44,13 @@ _COMMON = {
 ARCHS: dict[str, tuple[str, str, dict[str, Any], tuple[int, int]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}, (2, 16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2}, (2, 16)),
+    # Qwen2's own hybrid: layers from max_window_layers on use the sliding window
+    "qwen2-sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1},
+        (2, 16),
+    ),
     # window shorter than the 70-token prompts of the tests
     "mistral-w20": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": 20}, (2, 16)),
     # windows at and just above a block multiple (4 blocks of 16 = 64 tokens)

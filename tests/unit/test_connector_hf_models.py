@@ -69,12 +69,12 @@ def test_hit_is_exact_per_architecture(arch: str) -> None:
         assert torch.equal(warm.logits, ref)
 
 
-@pytest.mark.parametrize("arch", ["mistral-w20", "gemma2"])
+@pytest.mark.parametrize("arch", ["mistral-w20", "gemma2", "qwen2-sliding"])
 def test_sliding_window_decode_past_the_window_matches_recompute(arch: str) -> None:
     model = tiny_model(arch)
     layout = probe_cache_layout(model)
     assert any(w is not None for w in layout.sliding_windows)
-    assert layout.is_hybrid == (arch == "gemma2")
+    assert layout.is_hybrid == (arch != "mistral-w20")
     spec = spec_for_model(model, model_id=arch, block_tokens=BLOCK)
     first, _ = prompts(1)
     with HFConnector(model, InProcessPool(spec), spec) as conn:
