@@ -91,7 +91,7 @@ class CacheLayout:
         return len(kinds) == 2
 
 
-_LAYOUTS: weakref.WeakKeyDictionary[Any, CacheLayout] = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], CacheLayout]] = weakref.WeakKeyDictionary()
 _LAYOUTS_LOCK = threading.Lock()
 
 
@@ -124,18 +124,21 @@ def probe_cache_layout(model: Any) -> CacheLayout:
     Why a forward and not config attributes: each architecture names and derives heads and
     head_dim differently (Falcon ``multi_query`` / ``new_decoder_architecture``, Gemma's
     ``head_dim``), and the cache layer objects are the ground truth of what the pool must hold.
-    Cached per model object; refused kinds raise ``UnsupportedModel``.
+    Cached per model object, and probed again when its parameter dtypes, device or config
+    change (``model.to(torch.bfloat16)`` changes the KV dtype); refused kinds raise
+    ``UnsupportedModel``.
     """
+    params = list(model.parameters())
+    key = (tuple(sorted({str(p.dtype) for p in params})), str(params[0].device), config_encoding(model.config))
     with _LAYOUTS_LOCK:
         known = _LAYOUTS.get(model)
-    if known is not None:
-        return known
+    if known is not None and known[0] == key:
+        return known[1]
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     _check_config(model)
-    device = next(model.parameters()).device
-    ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
+    ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=params[0].device)
     with torch.no_grad():
         out = model(ids, cache=DynamicCache(config=model.config), use_cache=True)
     cache = getattr(out, "cache", None)
@@ -168,7 +171,7 @@ def probe_cache_layout(model: Any) -> CacheLayout:
         raise InvalidArgument(f"KV dtype {dtype} has no pool dtype", hint="use float32/float16/bfloat16")
     layout = CacheLayout(len(layers), int(heads), int(head_dim), name, tuple(windows))
     with _LAYOUTS_LOCK:
-        _LAYOUTS[model] = layout
+        _LAYOUTS[model] = (key, layout)
     return layout
 
 

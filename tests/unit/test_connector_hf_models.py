@@ -178,3 +178,11 @@ def test_close_removes_the_forward_hook() -> None:
     assert len(embed._forward_hooks) == hooks_before
     with pytest.raises(InvalidArgument, match="closed"):
         conn.prefill(torch.arange(20))
+
+
+def test_spec_follows_a_dtype_change_of_the_same_model_object() -> None:
+    model = tiny_model("gemma")
+    assert spec_for_model(model, model_id="g", block_tokens=BLOCK).dtype == "float32"
+    model.to(torch.bfloat16)
+    spec = spec_for_model(model, model_id="g", block_tokens=BLOCK)
+    assert spec.dtype == "bfloat16" and (spec.num_kv_heads, spec.head_dim) == (1, 32)
