@@ -343,6 +343,11 @@ class HFConnector:
         """
         if self.closed:
             raise InvalidArgument("this HFConnector is closed", hint="create a new connector for the model")
+        if self.model.training:
+            raise InvalidArgument(
+                "the model is in training mode: with dropout its KV is not a function of the prompt",
+                hint="call model.eval() before serving it through the pool",
+            )
         ids = _one_prompt(input_ids)
         n = ids.numel()
         if n == 0:

@@ -121,8 +121,13 @@ def test_batched_input_refused_up_front_and_prefill_batch_runs_rows() -> None:
     assert torch.equal(rows[0].logits, logits(model, first))
     assert torch.equal(rows[1].logits, logits(model, second)[:, 64:])
     assert [r.hit_tokens for r in again] == [64, 64]
-    with pytest.raises(InvalidArgument, match="integers"):
-        HFConnector(model, pool, spec).prefill(first.float())
+    with HFConnector(model, pool, spec) as conn:
+        with pytest.raises(InvalidArgument, match="integers"):
+            conn.prefill(first.float())
+        model.train()  # dropout would make the stored KV random
+        with pytest.raises(InvalidArgument, match="training mode"):
+            conn.prefill(first)
+        model.eval()
 
 
 def test_weight_fingerprint_separates_weights_under_one_model_id() -> None:
