@@ -1,7 +1,7 @@
 """Hugging Face transformers connector: prefill only the tokens the pool does not hold.
 
-For a causal LM on transformers 5.x (``DynamicCache`` with ``cache.layers[i].keys/values``
-of shape ``[batch, kv_heads, tokens, head_dim]``):
+For a decoder-only causal LM on transformers 5.x (``DynamicCache`` with
+``cache.layers[i].keys/values`` of shape ``[batch, kv_heads, tokens, head_dim]``):
 
 1. hash the prompt's full blocks in the pool's namespace and find the longest cached prefix
    (at most ``len(prompt) - 1`` tokens, so the last token always runs and yields logits);
@@ -10,49 +10,227 @@ of shape ``[batch, kv_heads, tokens, head_dim]``):
 3. run the model on the missed suffix only;
 4. store the prompt's new full blocks back (the pool skips ones it already has).
 
-The model's spec (layers, kv heads, head_dim, dtype) must equal the pool namespace's spec:
-a mismatch is refused before a byte is copied, naming both specs.
+What makes a hit exact (issue 11):
+
+* The spec is read from the cache the model really produces (``probe_cache_layout``: one
+  2-token forward, once per model), not from config attribute names: MQA (Falcon
+  ``multi_query``), GQA, ``head_dim != hidden / heads`` (Gemma, Qwen3) and layer counts come
+  out right by construction.
+* Sliding-window and hybrid (sliding + full) models: transformers' sliding layers keep only
+  the last ``window - 1`` tokens, so slicing them as if they held the prompt stored wrong KV.
+  The connector runs every model with a cache of full layers (``DynamicCache()`` without a
+  config): every layer keeps every token's K/V, and the attention mask, which transformers
+  builds from the config and not from the cache, still limits each sliding layer to its window.
+  The KV of token ``i`` depends only on tokens ``<= i`` for both layer kinds, so every stored
+  block is the prompt's exact KV and every hit is exactly reusable. Cost: the engine-side cache
+  of a sliding layer holds the whole prompt instead of the window.
+* Models whose cache is anything else (chunked attention, linear attention / SSM states, KV
+  shared across layers, encoder-decoder caches, K and V of different widths) are refused with
+  ``UnsupportedModel`` before any prompt runs.
+* The weights: unless the caller pins a revision, the spec revision is a fingerprint of the
+  weights' bytes and of the config (``kvpool.connectors.fingerprint``), so the same model id
+  with other weights never hits.
+* One prompt per call: ``prefill`` refuses ``input_ids`` with more than one row up front (it
+  used to flatten them into one prompt); ``prefill_batch`` runs several prompts, one at a time.
+
+The model's spec must equal the pool namespace's spec: a mismatch is refused before a byte is
+copied, naming both specs. ``close()`` removes the connector's forward hook.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvpool.connectors.fingerprint import is_fingerprint, module_fingerprint
 from kvpool.connectors.pool_api import BlockPool, pool_spec
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.errors import InternalError, InvalidArgument, UnsupportedModel
 from kvpool.core.spec import KVSpec
 from kvpool.kernels.paged import blocks_to_tokens, tokens_to_blocks
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
+#: transformers layer types whose KV of token i depends only on tokens <= i and that a cache of
+#: full layers plus the config-built mask reproduces exactly (tested per architecture).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-def spec_for_model(model: Any, *, model_id: str, block_tokens: int, revision: str = "") -> KVSpec:
-    """The KVSpec of a transformers causal LM's KV cache (reads ``model.config`` and dtype)."""
+#: Tokens of the probe forward (``probe_cache_layout``).
+PROBE_TOKENS = 2
+
+#: Config keys that do not change a single KV byte (bookkeeping, output switches, labels,
+#: initialisation: the weights are hashed themselves). Everything else goes into the fingerprint.
+CONFIG_KEYS_NOT_IN_KV = frozenset(
+    {
+        "_name_or_path", "_commit_hash", "transformers_version", "architectures", "dtype", "torch_dtype",
+        "use_cache", "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+        "problem_type", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a model's KV cache really holds, read from a probe forward."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    #: per layer: None for full attention, else the sliding window in tokens
+    sliding_windows: tuple[int | None, ...]
+
+    @property
+    def is_hybrid(self) -> bool:
+        kinds = {w is None for w in self.sliding_windows}
+        return len(kinds) == 2
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], CacheLayout]] = weakref.WeakKeyDictionary()
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _refuse(model: Any, why: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"{type(model).__name__}: {why}; the pool cannot hold its KV exactly",
+        hint="serve this model without the kvpool connector (recompute every prompt)",
+    )
+
+
+def _check_config(model: Any) -> None:
+    """Refuse, from the config alone, cache kinds the connector cannot hold exactly."""
     cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    dtype = _DTYPE_NAMES.get(model.dtype)
-    if dtype is None:
-        raise InvalidArgument(f"model dtype {model.dtype} has no pool dtype", hint="use float32/float16/bfloat16")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise _refuse(model, "encoder-decoder models keep cross-attention caches")
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layer_types = getattr(text, "layer_types", None) or ()
+    other = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if other:
+        raise _refuse(model, f"layer types {other} (supported: {list(SUPPORTED_LAYER_TYPES)})")
+    if getattr(text, "attention_chunk_size", None) is not None:
+        raise _refuse(model, "chunked attention (attention_chunk_size) is not supported")
+    if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):
+        raise _refuse(model, "layers that share another layer's KV are not supported")
+
+
+def probe_cache_layout(model: Any) -> CacheLayout:
+    """Run ``PROBE_TOKENS`` tokens through the model once and read the cache it builds.
+
+    Why a forward and not config attributes: each architecture names and derives heads and
+    head_dim differently (Falcon ``multi_query`` / ``new_decoder_architecture``, Gemma's
+    ``head_dim``), and the cache layer objects are the ground truth of what the pool must hold.
+    Cached per model object, and probed again when its parameter dtypes, device or config
+    change (``model.to(torch.bfloat16)`` changes the KV dtype); refused kinds raise
+    ``UnsupportedModel``.
+    """
+    params = list(model.parameters())
+    key = (tuple(sorted({str(p.dtype) for p in params})), str(params[0].device), config_encoding(model.config))
+    with _LAYOUTS_LOCK:
+        known = _LAYOUTS.get(model)
+    if known is not None and known[0] == key:
+        return known[1]
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    _check_config(model)
+    ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=params[0].device)
+    with torch.no_grad():
+        out = model(ids, cache=DynamicCache(config=model.config), use_cache=True)
+    cache = getattr(out, "cache", None)
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        raise _refuse(model, f"its forward returned no per-layer cache ({type(cache).__name__})")
+    shapes: set[tuple[int, ...]] = set()
+    dtypes: set[torch.dtype] = set()
+    windows: list[int | None] = []
+    for i, layer in enumerate(layers):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise _refuse(model, f"cache layer {i} is a {type(layer).__name__}")
+        keys, values = layer.keys, layer.values
+        if keys is None or values is None or tuple(keys.shape) != tuple(values.shape):
+            shape_k = None if keys is None else tuple(keys.shape)
+            shape_v = None if values is None else tuple(values.shape)
+            raise _refuse(model, f"cache layer {i} holds K {shape_k} and V {shape_v} (need equal shapes)")
+        if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[2] != PROBE_TOKENS:
+            raise _refuse(model, f"cache layer {i} holds {tuple(keys.shape)} for {PROBE_TOKENS} tokens")
+        shapes.add((keys.shape[1], keys.shape[3]))
+        dtypes.add(keys.dtype)
+        windows.append(int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None)
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise _refuse(
+            model, f"layers differ in (kv_heads, head_dim) {sorted(shapes)} or dtype {sorted(map(str, dtypes))}"
+        )
+    (heads, head_dim), dtype = shapes.pop(), dtypes.pop()
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise InvalidArgument(f"KV dtype {dtype} has no pool dtype", hint="use float32/float16/bfloat16")
+    layout = CacheLayout(len(layers), int(heads), int(head_dim), name, tuple(windows))
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[model] = (key, layout)
+    return layout
+
+
+def config_encoding(config: Any) -> bytes:
+    """Canonical bytes of the config fields that can change KV (``CONFIG_KEYS_NOT_IN_KV`` left out)."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in CONFIG_KEYS_NOT_IN_KV}
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def weights_revision(model: Any, *, refresh: bool = False) -> str:
+    """The fingerprint revision of a transformers model: its weights' bytes + ``config_encoding``."""
+    return module_fingerprint(model, config_encoding(model.config), refresh=refresh)
+
+
+def spec_for_model(model: Any, *, model_id: str, block_tokens: int, revision: str | None = None) -> KVSpec:
+    """The KVSpec of a transformers causal LM, from the cache it really produces.
+
+    ``revision=None`` (default): the weights' fingerprint (``weights_revision``). A non-empty
+    string pins the revision instead: pin only a name of these exact weights (e.g. a hub commit
+    hash), since a pin is trusted as given. Unsupported models raise ``UnsupportedModel``.
+    """
+    if revision == "":
+        raise InvalidArgument(
+            "an empty revision names no weights",
+            hint="pass revision=None to fingerprint the weights, or a revision that names these exact weights",
+        )
+    layout = probe_cache_layout(model)
     return KVSpec(
         model=model_id,
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
         block_tokens=block_tokens,
-        revision=revision,
+        revision=weights_revision(model) if revision is None else revision,
     )
+
+
+def _one_prompt(input_ids: Any) -> torch.Tensor:
+    """``input_ids`` as one 1-D prompt; more than one row is refused (never flattened)."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InvalidArgument(f"token ids must be integers, got {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise InvalidArgument(
+            f"input_ids of shape {tuple(ids.shape)}: prefill takes one prompt ([tokens] or [1, tokens])",
+            hint="use prefill_batch(prompts) for several prompts: each runs and hits on its own",
+        )
+    return ids
 
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """What one prefill did. ``logits`` covers only the tokens that ran: ``[1, tokens_run, vocab]``."""
+    """What one prefill did. ``logits`` covers only the tokens that ran: ``[1, tokens_run, vocab]``.
+
+    ``cache`` holds full layers (every token, sliding layers too): decode can continue on it.
+    """
 
     logits: torch.Tensor
     cache: Any
@@ -63,29 +241,53 @@ class PrefillResult:
 
 
 class HFConnector:
-    """Prefix reuse for one transformers model against one pool namespace."""
+    """Prefix reuse for one transformers model against one pool namespace.
+
+    Use as a context manager, or call ``close()``: it removes the token-counting forward hook
+    this connector put on the model's input embeddings.
+    """
 
     def __init__(self, model: Any, pool: BlockPool, spec: KVSpec) -> None:
         self.model = model
         self.pool = pool
         self.spec = spec
-        model_spec = spec_for_model(model, model_id=spec.model, block_tokens=spec.block_tokens, revision=spec.revision)
+        # a fingerprint revision is recomputed from these weights (so other weights are refused);
+        # a pinned one is trusted as given
+        pinned = None if is_fingerprint(spec.revision) or not spec.revision else spec.revision
+        model_spec = spec_for_model(model, model_id=spec.model, block_tokens=spec.block_tokens, revision=pinned)
         spec.require_same(model_spec, "model")
         held = pool_spec(pool)
         if held is not None:
             held.require_same(spec, "connector")
+        self.layout = probe_cache_layout(model)
         self._tokens_run = 0
-        embed = model.get_input_embeddings()
-        embed.register_forward_hook(self._count_tokens)
+        self._hook: Any = model.get_input_embeddings().register_forward_hook(self._count_tokens)
+
+    def __enter__(self) -> HFConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the forward hook; idempotent. The connector refuses prefills afterwards."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @property
+    def closed(self) -> bool:
+        return self._hook is None
 
     def _count_tokens(self, _module: Any, inputs: tuple[Any, ...], _output: Any) -> None:
         """Count what the model actually embeds: the proof that hits are not recomputed."""
         self._tokens_run += int(inputs[0].numel())
 
     def _empty_cache(self) -> Any:
+        """A cache of full layers only (no config): every layer keeps every token; see the module docstring."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        return DynamicCache()
 
     def load_prefix(self, hashes: Sequence[bytes], max_blocks: int) -> tuple[Any, int]:
         """A DynamicCache holding the longest verified cached prefix (<= max_blocks blocks)."""
@@ -103,6 +305,18 @@ class HFConnector:
             kv = blocks_to_tokens(blocks, layer)  # [2, heads, tokens, dim]
             cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), layer)
         return cache, got
+
+    def _check_cache_holds(self, cache: Any, tokens: int) -> None:
+        """Right before a store: every layer must hold exactly this prompt's ``tokens`` K/V rows."""
+        layers = getattr(cache, "layers", [])
+        want = (1, self.spec.num_kv_heads, tokens, self.spec.head_dim)
+        if len(layers) != self.spec.num_layers:
+            raise InternalError(f"the cache has {len(layers)} layers, the spec {self.spec.num_layers}; nothing stored")
+        for i, entry in enumerate(layers):
+            for what, t in (("keys", entry.keys), ("values", entry.values)):
+                if t is None or tuple(t.shape) != want:
+                    got = None if t is None else tuple(t.shape)
+                    raise InternalError(f"cache layer {i} {what} has shape {got}, expected {want}; nothing stored")
 
     def store_blocks(self, hashes: Sequence[bytes], cache: Any, first_block: int, end_block: int) -> int:
         """Put blocks [first_block, end_block) of ``cache`` into the pool; returns how many were sent."""
@@ -122,8 +336,19 @@ class HFConnector:
 
     @torch.no_grad()
     def prefill(self, input_ids: Any, *, store: bool = True) -> PrefillResult:
-        """Run the prompt, reusing the pool's longest cached prefix; see the module docstring."""
-        ids = torch.as_tensor(input_ids).reshape(-1)
+        """Run one prompt, reusing the pool's longest cached prefix; see the module docstring.
+
+        ``input_ids``: ``[tokens]`` or ``[1, tokens]``; more rows are refused before any work
+        (``prefill_batch`` takes several prompts).
+        """
+        if self.closed:
+            raise InvalidArgument("this HFConnector is closed", hint="create a new connector for the model")
+        if self.model.training:
+            raise InvalidArgument(
+                "the model is in training mode: with dropout its KV is not a function of the prompt",
+                hint="call model.eval() before serving it through the pool",
+            )
+        ids = _one_prompt(input_ids)
         n = ids.numel()
         if n == 0:
             raise InvalidArgument("empty prompt")
@@ -135,7 +360,10 @@ class HFConnector:
         device = next(self.model.parameters()).device
         out = self.model(ids[hit:].unsqueeze(0).to(device), cache=cache, use_cache=True)
         run = self._tokens_run - before
-        stored = self.store_blocks(hashes, out.cache, hit_blocks, n // t) if store else 0
+        stored = 0
+        if store and n // t > hit_blocks:
+            self._check_cache_holds(out.cache, n)
+            stored = self.store_blocks(hashes, out.cache, hit_blocks, n // t)
         return PrefillResult(
             logits=out.logits,
             cache=out.cache,
@@ -144,6 +372,16 @@ class HFConnector:
             tokens_run=run,
             stored_blocks=stored,
         )
+
+    def prefill_batch(self, prompts: Any, *, store: bool = True) -> list[PrefillResult]:
+        """Several prompts (a ``[rows, tokens]`` tensor or a sequence of 1-D prompts), one by one.
+
+        Each row is its own prompt with its own hit; a later row hits blocks an earlier row
+        stored. Rows run sequentially (no padding, so no pad token can enter a block hash).
+        """
+        rows = list(prompts.unbind(0)) if isinstance(prompts, torch.Tensor) and prompts.dim() == 2 else list(prompts)
+        checked = [_one_prompt(row) for row in rows]  # refuse a bad row before any row runs
+        return [self.prefill(row, store=store) for row in checked]
 
     @torch.no_grad()
     def generate_greedy(self, input_ids: Any, max_new_tokens: int) -> list[int]:

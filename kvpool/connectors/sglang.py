@@ -8,6 +8,22 @@ rank's kv heads, ``block_tokens = page_size``, the host layout and TP rank in th
 so SGLang pages never share a namespace with canonical blocks written by other engines, and
 two SGLang deployments with different TP or layout never read each other's pages.
 
+What is refused, and why (issue 11: never store or serve KV that is not the prompt's):
+
+* no ``model_revision`` in ``extra_config``: SGLang's page keys hash tokens only, and the
+  backend never sees the weights, so without a revision that names the exact weights (a hub
+  commit hash, or ``kvpool.connectors.fingerprint.module_fingerprint(model)`` computed on the
+  serving process) two deployments of one model name with other weights would share pages;
+* a host pool other than SGLang's plain MHA / MLA host pools (``register_mem_pool_host``), or
+  any extra pool of the v2 interface (``register_mem_host_pool_v2`` with SWA, Mamba, indexer,
+  ... pools): hybrid and sliding-window models keep per-pool state this backend does not store;
+* a host pool whose layers, heads, head_dim, page size, dtype or layout differ from the spec;
+* ``should_split_heads`` (pages split across a TP width other than this rank's).
+
+Pipeline- and context-parallel ranks hold other layers / other slices of a page, so their
+rank is part of the spec revision (they never read each other's pages); data-parallel
+replicas hold identical pages and share them.
+
 ``KvpoolHiCacheStorage`` (the class SGLang loads) is built on first attribute access by
 subclassing the real ``HiCacheStorage``; ``HiCachePoolLogic`` holds every method and is
 unit-tested here without SGLang. Nothing was run against a live SGLang (see docs/engine.md).
@@ -22,16 +38,33 @@ import torch
 import xxhash
 
 from kvpool.connectors.pool_api import BlockPool, pool_spec
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.errors import InvalidArgument, SpecMismatch, UnsupportedModel
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.kernels.paged import TORCH_DTYPES
+
+#: SGLang host pools (``sglang.srt.mem_cache.pool_host``) whose pages are one plain KV page.
+SUPPORTED_HOST_POOLS = ("MHATokenToKVPoolHost", "MLATokenToKVPoolHost")
+
+#: v2 pool names this backend stores (``PoolName.KV``); every other pool is refused.
+SUPPORTED_V2_POOLS = ("kv",)
 
 
 def sglang_page_spec(
     model: str, num_layers: int, local_kv_heads: int, head_dim: int, dtype: str, page_size: int,
-    layout: str, tp_rank: int, tp_size: int, is_mla: bool = False,
+    layout: str, tp_rank: int, tp_size: int, is_mla: bool = False, *, model_revision: str = "",
+    pp_rank: int = 0, pp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
 ) -> KVSpec:  # fmt: skip
-    """The KVSpec under which one SGLang rank's host pages are stored (opaque, rank-local)."""
+    """The KVSpec under which one SGLang rank's host pages are stored (opaque, rank-local).
+
+    The revision names the weights (``model_revision``), the host layout and the TP / PP / CP
+    rank: pages of other weights, layouts or ranks never share a namespace.
+    """
+    rank = f"tp{tp_rank}of{tp_size}"
+    if pp_size > 1:
+        rank += f"-pp{pp_rank}of{pp_size}"
+    if cp_size > 1:
+        rank += f"-cp{cp_rank}of{cp_size}"
+    layout_rank = f"sglang-{layout}-{rank}"
     return KVSpec(
         model=model,
         num_layers=num_layers,
@@ -39,7 +72,7 @@ def sglang_page_spec(
         head_dim=head_dim,
         dtype=dtype,
         block_tokens=page_size,
-        revision=f"sglang-{layout}-tp{tp_rank}of{tp_size}",
+        revision=f"{model_revision}+{layout_rank}" if model_revision else layout_rank,
         kind="mla" if is_mla else "mha",
     )
 
@@ -52,7 +85,7 @@ def pool_hash_for_key(namespace: Namespace, key: str) -> bytes:
 class HiCachePoolLogic:
     """Every HiCacheStorage method, over a ``BlockPool``; no SGLang import."""
 
-    def __init__(self, pool: BlockPool, spec: KVSpec, salt: bytes = b"") -> None:
+    def __init__(self, pool: BlockPool, spec: KVSpec, salt: bytes = b"", layout: str | None = None) -> None:
         held = pool_spec(pool)
         if held is not None:
             held.require_same(spec, "sglang backend")
@@ -62,6 +95,62 @@ class HiCachePoolLogic:
         self.namespace = held_ns if isinstance(held_ns, Namespace) else Namespace(spec, salt)
         self.page_elems = spec.block_bytes // spec.dtype_bytes
         self.dtype = TORCH_DTYPES[spec.dtype]
+        self.layout = layout
+        self.mem_pool_host: Any = None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang hands over its host KV pool: refuse one whose pages are not what the spec says.
+
+        Checked by its documented attributes (``layer_num``, ``head_num``, ``head_dim``,
+        ``page_size``, ``dtype``, ``layout``; MLA: ``kv_lora_rank + qk_rope_head_dim``).
+        """
+        kind = type(mem_pool_host).__name__
+        if kind not in SUPPORTED_HOST_POOLS:
+            raise UnsupportedModel(
+                f"SGLang host pool {kind} is not supported (supported: {list(SUPPORTED_HOST_POOLS)})",
+                hint="hybrid / sliding-window models keep state this backend does not store: "
+                "run them without the kvpool storage backend",
+            )
+        mla = kind == "MLATokenToKVPoolHost"
+        width = (
+            getattr(mem_pool_host, "kv_lora_rank", 0) + getattr(mem_pool_host, "qk_rope_head_dim", 0)
+            if mla
+            else getattr(mem_pool_host, "head_dim", None)
+        )
+        dtype = getattr(mem_pool_host, "dtype", None)
+        host = {
+            "layers": getattr(mem_pool_host, "layer_num", None),
+            "kv_heads": 1 if mla else getattr(mem_pool_host, "head_num", None),
+            "head_dim": width,
+            "page_size": getattr(mem_pool_host, "page_size", None),
+            "dtype": dtype,
+        }
+        want = {
+            "layers": self.spec.num_layers,
+            "kv_heads": self.spec.num_kv_heads,
+            "head_dim": self.spec.head_dim,
+            "page_size": self.spec.block_tokens,
+            "dtype": self.dtype,
+        }
+        if self.layout is not None and getattr(mem_pool_host, "layout", self.layout) != self.layout:
+            host["layout"], want["layout"] = mem_pool_host.layout, self.layout
+        if host != want or (mla != (self.spec.kind == "mla")):
+            raise SpecMismatch(
+                f"SGLang host pool {kind} holds {host}, the pool spec [{self.spec.describe()}] holds {want}",
+                hint="configure extra_config with this rank's layers, local kv heads, head_dim, dtype and page size",
+            )
+        self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """v2 interface: only the plain KV pool; SWA / Mamba / indexer pools are refused."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name not in SUPPORTED_V2_POOLS:
+            raise UnsupportedModel(
+                f"SGLang pool {name!r} is not supported: this backend stores plain KV pages only",
+                hint="hybrid (SWA / Mamba / sparse) models need a backend that stores every pool; "
+                "run them without the kvpool storage backend",
+            )
+        self.register_mem_pool_host(host_pool)
 
     def _hashes(self, keys: Sequence[str]) -> list[bytes]:
         return [pool_hash_for_key(self.namespace, k) for k in keys]
@@ -132,6 +221,20 @@ def _build_sglang_class() -> type:
             from kvpool.client import PoolClient
 
             extra = storage_config.extra_config or {}
+            revision = str(extra.get("model_revision", ""))
+            if not revision:
+                raise InvalidArgument(
+                    "extra_config has no model_revision: SGLang page keys hash tokens only, so pages "
+                    "of other weights under the same model name would be served",
+                    hint="set extra_config['model_revision'] to a name of these exact weights (a hub commit "
+                    "hash, or kvpool.connectors.fingerprint.module_fingerprint(model))",
+                )
+            if getattr(storage_config, "should_split_heads", False):
+                raise UnsupportedModel(
+                    "should_split_heads (pages split over another TP width) is not supported",
+                    hint="use a TP size that divides the kv heads, or run without the kvpool storage backend",
+                )
+            layout = "page_first" if storage_config.is_page_first_layout else "layer_first"
             spec = sglang_page_spec(
                 model=storage_config.model_name or "unknown",
                 num_layers=int(extra["num_layers"]),
@@ -139,14 +242,21 @@ def _build_sglang_class() -> type:
                 head_dim=int(extra["head_dim"]),
                 dtype=str(extra.get("dtype", "bfloat16")),
                 page_size=int(extra["page_size"]),
-                layout="page_first" if storage_config.is_page_first_layout else "layer_first",
+                layout=layout,
                 tp_rank=storage_config.tp_rank,
                 tp_size=storage_config.tp_size,
                 is_mla=storage_config.is_mla_model,
+                model_revision=revision,
+                pp_rank=int(getattr(storage_config, "pp_rank", 0)),
+                pp_size=int(getattr(storage_config, "pp_size", 1)),
+                cp_rank=int(getattr(storage_config, "attn_cp_rank", 0)),
+                cp_size=int(getattr(storage_config, "attn_cp_size", 1)),
             )
             salt = str(extra.get("salt", "")).encode()
             client = PoolClient.connect(str(extra["pool_address"]), spec, salt=salt)
-            HiCachePoolLogic.__init__(self, client, spec, salt)
+            HiCachePoolLogic.__init__(self, client, spec, salt, layout=layout)
+            if kv_cache is not None:
+                self.register_mem_pool_host(kv_cache)
 
     return KvpoolHiCacheStorage
 

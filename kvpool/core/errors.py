@@ -25,6 +25,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 4)
     VERSION_MISMATCH = ("VERSION_MISMATCH", 9)  # scheme or protocol version differs
     NOT_LEADER = ("NOT_LEADER", 9)  # talk to the leader instead
+    UNSUPPORTED_MODEL = ("UNSUPPORTED_MODEL", 12)  # UNIMPLEMENTED: the pool cannot hold this model's KV exactly
     STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
     INTERNAL = ("INTERNAL", 13)
 
@@ -72,6 +73,16 @@ class InvalidArgument(KVPoolError):
 
 class SpecMismatch(KVPoolError):
     code = ErrorCode.SPEC_MISMATCH
+
+
+class UnsupportedModel(KVPoolError):
+    """A model (or engine configuration) whose KV the pool cannot hold exactly.
+
+    Raised by the engine connectors before any prompt runs, so an unsupported model is never
+    served wrong KV; the hint says what to do instead.
+    """
+
+    code = ErrorCode.UNSUPPORTED_MODEL
 
 
 class UnknownNamespace(KVPoolError):
@@ -123,6 +134,7 @@ _BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
     for cls in (
         InvalidArgument,
         SpecMismatch,
+        UnsupportedModel,
         UnknownNamespace,
         NotFound,
         CapacityExhausted,

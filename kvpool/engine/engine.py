@@ -124,12 +124,15 @@ class Engine:
         config: EngineConfig,
         pool: BlockPool | None = None,
         clock_s: Callable[[], float] = time.perf_counter,
+        model: RefModel | None = None,
     ) -> None:
-        self.model = RefModel(model_config)
+        if model is not None and model.config != model_config:
+            raise InvalidArgument("the model passed to Engine was built from another ModelConfig")
+        self.model = model if model is not None else RefModel(model_config)
         self.config = config
         self.pool = pool
         self.clock_s = clock_s
-        self.spec = model_config.kv_spec(config.block_tokens)
+        self.spec = self.model.kv_spec(config.block_tokens)  # revision = weight fingerprint
         held = pool_spec(pool) if pool is not None else None
         if held is not None:
             held.require_same(self.spec, "engine")
@@ -147,8 +150,15 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
-        if not prompt:
+        ids = torch.as_tensor(prompt)
+        if ids.numel() == 0:
             raise InvalidArgument("empty prompt")
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InvalidArgument(
+                f"a prompt is one flat sequence of integer token ids, got shape {tuple(ids.shape)} of {ids.dtype}",
+                hint="add one request per prompt (batched rows are separate requests)",
+            )
+        prompt = [int(t) for t in ids.tolist()]
         if max(prompt) >= self.model.config.vocab_size or min(prompt) < 0:
             raise InvalidArgument(f"token ids must be in [0, {self.model.config.vocab_size})")
         if self.config.role == "prefill":

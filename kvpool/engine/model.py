@@ -9,11 +9,14 @@ pages (queries in chunks of 256, so an 8K-token prefill never builds an 8K x 8K 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kvpool.connectors.fingerprint import tensors_fingerprint
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.spec import KVSpec
 from kvpool.kernels.paged import TORCH_DTYPES
@@ -50,16 +53,12 @@ class ModelConfig:
             raise InvalidArgument(f"dtype {self.dtype!r} must be float32, bfloat16 or float16")
 
     def kv_spec(self, block_tokens: int) -> KVSpec:
-        """The pool namespace spec of this model's KV; the revision pins the weights (seed)."""
-        return KVSpec(
-            model=self.name,
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            block_tokens=block_tokens,
-            revision=f"seed{self.seed}-h{self.hidden_size}-v{self.vocab_size}",
-        )
+        """The pool namespace spec of this model's KV: ``RefModel(self).kv_spec(block_tokens)``.
+
+        Builds the weights to fingerprint them (one model init); where a ``RefModel`` exists,
+        ask it (or ``Engine.spec``) instead.
+        """
+        return RefModel(self).kv_spec(block_tokens)
 
 
 class RefModel:
@@ -92,6 +91,42 @@ class RefModel:
         self.lm_head = weight(c.vocab_size, c.hidden_size)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self._inv_freq = inv
+        self._fingerprint: str | None = None
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the forward reads, by name (what the weight fingerprint covers)."""
+        named = [("embed", self.embed), ("final_norm", self.final_norm), ("lm_head", self.lm_head)]
+        named.append(("inv_freq", self._inv_freq))
+        for i, layer in enumerate(self.layers):
+            named += [(f"layers.{i}.{k}", t) for k, t in layer.items()]
+        return named
+
+    def fingerprint(self) -> str:
+        """Weight fingerprint (``kvpool.connectors.fingerprint``), computed once: the weights never change.
+
+        Why not the seed: the weights are a function of the seed *and* of every shape and of
+        torch's generator; a label of a few fields (the old ``seed0-h256-v1024``) let two models
+        with other ``intermediate_size`` or ``rope_theta`` share a namespace. ``extra`` carries
+        the config fields that are not in any tensor (``rms_eps``, head counts).
+        """
+        if self._fingerprint is None:
+            fields = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "name"}
+            extra = json.dumps(fields, sort_keys=True).encode()
+            self._fingerprint = tensors_fingerprint(self.named_tensors(), extra)
+        return self._fingerprint
+
+    def kv_spec(self, block_tokens: int) -> KVSpec:
+        """The pool namespace spec of this model's KV; the revision is the weight fingerprint."""
+        c = self.config
+        return KVSpec(
+            model=c.name,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=c.dtype,
+            block_tokens=block_tokens,
+            revision=self.fingerprint(),
+        )
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvpool.engine.engine import ROLES, Engine, EngineConfig, SamplingParams
-from kvpool.engine.model import ModelConfig
+from kvpool.engine.model import ModelConfig, RefModel
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,13 +53,14 @@ def run(args: argparse.Namespace) -> int:
     )
     with open(args.requests) as fh:
         requests: list[dict[str, Any]] = json.load(fh)
+    model = RefModel(model_config)  # built once: its weight fingerprint names the pool namespace
     client = None
     if args.pool:
         from kvpool.client import PoolClient
 
-        client = PoolClient.connect(args.pool, model_config.kv_spec(args.block_tokens), salt=args.salt.encode())
+        client = PoolClient.connect(args.pool, model.kv_spec(args.block_tokens), salt=args.salt.encode())
     try:
-        engine = Engine(model_config, config, client)
+        engine = Engine(model_config, config, client, model=model)
         handles = []
         for item in requests:
             params = SamplingParams(

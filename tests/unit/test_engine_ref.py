@@ -191,3 +191,34 @@ def test_outputs_do_not_depend_on_batching_or_chunking(
     mixed.run_until_done()
     assert [r.output for r in reqs] == expected
     assert all(r.prefill_tokens_run == len(r.prompt) for r in reqs)
+
+
+def test_spec_revision_is_a_weight_fingerprint_not_a_label() -> None:
+    """Issue 11: the old revision named seed, hidden and vocab only; other weights shared it."""
+    import dataclasses
+
+    from kvpool.engine.model import RefModel
+
+    assert MC.kv_spec(8) == Engine(MC, EngineConfig(page_tokens=4, block_tokens=8)).spec  # deterministic weights
+    for change in ({"intermediate_size": 256}, {"rope_theta": 500_000.0}, {"seed": 1}, {"rms_eps": 1e-6}):
+        other = dataclasses.replace(MC, **change)
+        assert other.kv_spec(8).revision != MC.kv_spec(8).revision, change
+    pool = InProcessPool(MC.kv_spec(8))
+    engine = Engine(MC, EngineConfig(num_pages=64, page_tokens=4, block_tokens=8), pool)
+    run_one(engine, prompt(40, 4), SamplingParams(1))
+    with pytest.raises(SpecMismatch):  # a model with other weights is refused by the pool's namespace
+        Engine(dataclasses.replace(MC, intermediate_size=256), EngineConfig(page_tokens=4, block_tokens=8), pool)
+    model = RefModel(MC)
+    assert Engine(MC, EngineConfig(page_tokens=4, block_tokens=8), model=model).model is model
+    with pytest.raises(InvalidArgument, match="another ModelConfig"):
+        Engine(dataclasses.replace(MC, seed=3), EngineConfig(page_tokens=4, block_tokens=8), model=model)
+
+
+def test_batched_or_non_integer_prompts_refused() -> None:
+    engine = Engine(MC, EngineConfig(num_pages=16, page_tokens=4, block_tokens=8))
+    for bad in ([[1, 2], [3, 4]], [1.0, 2.0], [], [True, False]):
+        with pytest.raises(InvalidArgument):
+            engine.add_request("x", bad, SamplingParams(1))  # type: ignore[arg-type]
+    assert not engine.has_work()
+    req = engine.add_request("ok", torch.tensor([1, 2, 3]), SamplingParams(1))  # type: ignore[arg-type]
+    assert req.prompt == [1, 2, 3]
