@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import time
 from typing import Any, cast
 
 import torch
@@ -35,6 +37,8 @@ from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.core.spec import KVSpec, Namespace
 
 log = logging.getLogger("kvpool.connectors.vllm")
+
+STATS_INTERVAL_S = 1.0
 
 
 def _passthrough_reason(request: Any) -> str:
@@ -77,6 +81,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._registered = False
         self._prompts: dict[str, tuple[list[int], list[int]]] = {}  # req id -> (prompt, block table)
         self._passthrough: set[str] = set()
+        self._stats_due_s = 0.0
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._strict = extra.get("strict") is True
         self._opts = ConnectorOptions()
@@ -113,6 +118,13 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             def allgather(t: torch.Tensor) -> torch.Tensor:
                 return group.all_gather(t.to(group.device), dim=3)  # type: ignore[no-any-return]
 
+        if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "kvpool: kv_load_failure_policy is %r: a pool block that fails its checksum or vanishes "
+                'fails its request instead of being recomputed; set "kv_load_failure_policy": "recompute" '
+                "in --kv-transfer-config",
+                vllm_config.kv_transfer_config.kv_load_failure_policy,
+            )
         page = int(vllm_config.cache_config.block_size)
         self._pool = pool
         self._logic = VllmPoolConnectorLogic(spec, pool, page, rank, tp_size, allgather, opts.max_pending_save_bytes)
@@ -181,6 +193,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if plan is not None:
                 saves.append(plan)
         meta = logic.build_connector_meta(saves)
+        self._write_stats()
         return _Meta(loads=meta.loads, saves=meta.saves)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -218,6 +231,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._logic is None or not self._registered:
             return
         self._logic.wait_for_save(cast(ConnectorMetadata, self._get_connector_metadata()))
+        self._write_stats()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -229,16 +243,27 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return {p for load in meta.loads for p in load.page_ids}
         return self._logic.get_block_ids_with_load_errors() if self._logic is not None else set()
 
+    def _write_stats(self, force: bool = False) -> None:
+        """The counters as JSON at ``stats_path``.<role>.json: at most once a second (the
+        engine may never call ``shutdown`` on the scheduler side) and at shutdown."""
+        logic = self._logic
+        now = time.monotonic()
+        if logic is None or not self._opts.stats_path or (not force and now < self._stats_due_s):
+            return
+        self._stats_due_s = now + STATS_INTERVAL_S
+        pool = self._pool
+        extra = {"outages": pool.outages if pool else 0, "role": self._role_name}
+        path = f"{self._opts.stats_path}.{self._role_name}.json"
+        with open(path + ".tmp", "w") as f:
+            json.dump({**dataclasses.asdict(logic.stats), **extra}, f)
+        os.replace(path + ".tmp", path)
+
     def shutdown(self) -> None:
+        self._write_stats(force=True)
         logic, self._logic = self._logic, None
         if logic is None:
             return
         logic.shutdown()
-        if self._opts.stats_path:
-            pool = self._pool
-            extra = {"outages": pool.outages if pool else 0, "role": self._role_name}
-            with open(f"{self._opts.stats_path}.{self._role_name}.json", "w") as f:
-                json.dump({**dataclasses.asdict(logic.stats), **extra}, f)
         if self._pool is not None:
             self._pool.close()
 

@@ -91,6 +91,7 @@ def kv_transfer_config(pool_address: str, role: str = "kv_both", **options: Any)
         "kv_connector": "KvpoolConnector",
         "kv_role": role,
         "kv_connector_module_path": "kvpool.connectors.vllm",
+        "kv_load_failure_policy": "recompute",  # a corrupt or vanished block is recomputed, not an error
         "kv_connector_extra_config": {"pool_address": pool_address, **options},
     }
 
@@ -129,14 +130,20 @@ def run_script(args: argparse.Namespace) -> None:
             _wait_for(phase["wait_for"], float(phase.get("wait_timeout_s", 120)))
         params = SamplingParams(max_tokens=int(phase.get("max_tokens", 8)), temperature=0.0, logprobs=3)
         prompts = [{"prompt_token_ids": p} for p in phase["prompts"]]
-        t1 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
-        took = time.perf_counter() - t1
+        # "sequential": one generate call per prompt, each timed (max_tokens=1: the TTFT)
+        batches = [[p] for p in prompts] if phase.get("sequential") else [prompts]
         rows = []
-        for out in outs:
-            comp = out.outputs[0]
-            chosen = [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs or []) if lp]
-            rows.append({"tokens": list(comp.token_ids), "logprobs": chosen, "cached": out.num_cached_tokens})
+        t1 = time.perf_counter()
+        for batch in batches:
+            t2 = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)  # type: ignore[arg-type]
+            took_s = time.perf_counter() - t2
+            for out in outs:
+                comp = out.outputs[0]
+                chosen = [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs or []) if lp]
+                row = {"tokens": list(comp.token_ids), "logprobs": chosen, "cached": out.num_cached_tokens}
+                rows.append({**row, "seconds": took_s})
+        took = time.perf_counter() - t1
         results["phases"].append({"name": phase.get("name", str(i)), "seconds": took, "outputs": rows})
         Path(args.out).write_text(json.dumps(results))
         Path(f"{args.out}.phase{i}.done").touch()
