@@ -10,7 +10,8 @@ error. ``ResilientPool`` wraps the real client and
   skipped), logs one warning when the pool goes away and one line when it is back;
 * while down, does not call the pool at all until ``retry_interval_ms`` has passed, so a
   dead pool costs at most one call timeout per interval, not one per request;
-* reconnects (a new ``connect``) when the first connection never came up.
+* reconnects with a new ``connect`` after every outage (a fresh channel and a fresh
+  namespace registration, so a restarted daemon with a new arena is used at once).
 
 Other typed errors (a spec the daemon refuses, bad input) are raised: they are bugs or
 configuration errors to fix, not outages. The clock is passed in (tests drive it).
@@ -90,6 +91,11 @@ class ResilientPool:
             result = work(client)
         except OUTAGES as err:
             with self._lock:
+                # drop the client: its gRPC channel would sit in reconnect backoff (up to
+                # minutes) after the daemon comes back; the next try connects afresh. It is
+                # not closed here: another thread may be mid-call on it, reading its arena
+                # mapping; it is released with its last reference.
+                self._client = None
                 now = self._clock.now_ms()
                 self._next_try_ms = now + self._retry_interval_ms
                 if self._down_since_ms is None:
