@@ -10,7 +10,13 @@ Guarantees (checked by tests/property/test_store_*):
 - used bytes never exceed the arena; a put that cannot fit fails whole (nothing stored
   before it is lost or changed);
 - puts whose writer died (not committed by ``put_ttl_ms``) and leases not released by
-  ``lease_ttl_ms`` are reclaimed by ``sweep``.
+  ``lease_ttl_ms`` are reclaimed by ``sweep``;
+- keys are opaque and exact: the daemon's keys are ``namespace digest || hash``
+  (``kvpool.core.keys``), so no call of one namespace reaches another's block
+  (tests/integration/test_tenancy.py);
+- lease and put ids are capabilities: the daemon passes an unguessable ``id_source``, so
+  a caller cannot release, commit or abort another caller's lease or put by guessing;
+- soft pin TTLs are at most ``max_pin_ttl_ms``.
 
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena.
@@ -133,7 +139,10 @@ class HostStore:
         policy: EvictionPolicy | None = None,
         on_event: EventSink | None = None,
         on_evict: DemoteHook | None = None,
+        id_source: Callable[[], int] | None = None,
     ) -> None:
+        """``id_source``: lease and put ids (default 1, 2, 3, ...; the daemon passes random
+        63-bit ids, so ids double as capabilities)."""
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < config.capacity_bytes:
             raise InvalidArgument("the store's buffer must be a 1-D uint8 array of at least capacity_bytes")
         self._buffer = buffer
@@ -147,7 +156,7 @@ class HostStore:
         self._pending: dict[int, _PendingPut] = {}
         self._pending_keys: set[bytes] = set()
         self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
+        self._id_source: Callable[[], int] = id_source if id_source is not None else itertools.count(1).__next__
         self._lock = threading.RLock()
         self._protected: set[bytes] = set()  # keys a put in progress reported present: not evictable
         self.stats = StoreStats()
@@ -191,7 +200,7 @@ class HostStore:
             for entry in entries:
                 entry.leases += 1
                 self._policy.on_access(entry.key)
-            lease_id = next(self._ids)
+            lease_id = self._new_id()
             self._leases[lease_id] = _Lease(entries, expires)
             return LeaseGrant(lease_id, [BlockLocation(e.offset, e.size, e.checksum) for e in entries], expires)
 
@@ -242,7 +251,7 @@ class HostStore:
                 offsets = self._allocate(len(wanted), block_bytes, now)
             finally:
                 self._protected = set()
-            put_id = next(self._ids)
+            put_id = self._new_id()
             slots = [(i, key, off) for (i, key), off in zip(wanted, offsets, strict=True)]
             self._pending[put_id] = _PendingPut(namespace, block_bytes, now + self.config.put_ttl_ms, slots)
             self._pending_keys.update(key for _, key in wanted)
@@ -330,6 +339,11 @@ class HostStore:
     def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
         """Pin present blocks: hard (ttl_ms None) until unpinned, soft until now + ttl_ms."""
         self._check_batch(keys)
+        if ttl_ms is not None and not 0 < ttl_ms <= self.config.max_pin_ttl_ms:
+            raise InvalidArgument(
+                f"soft pin ttl_ms {ttl_ms} is outside 1..{self.config.max_pin_ttl_ms} ms",
+                hint="pin for at most max_pin_ttl_ms and renew it, or use a hard pin",
+            )
         with self._lock:
             until = self._clock.now_ms() + ttl_ms if ttl_ms is not None else 0.0
             n = 0
@@ -345,6 +359,7 @@ class HostStore:
             return n
 
     def unpin(self, keys: Sequence[bytes]) -> int:
+        self._check_batch(keys)
         with self._lock:
             n = 0
             for key in keys:
@@ -401,6 +416,13 @@ class HostStore:
             }
 
     # -- internals -----------------------------------------------------------------------
+    def _new_id(self) -> int:
+        """A lease / put id not in use (0 means "none" on the wire)."""
+        while True:
+            new = self._id_source()
+            if new and new not in self._leases and new not in self._pending:
+                return new
+
     def _check_batch(self, keys: Sequence[bytes]) -> None:
         if len(keys) > self.config.max_batch_blocks:
             raise InvalidArgument(

@@ -25,6 +25,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 4)
     VERSION_MISMATCH = ("VERSION_MISMATCH", 9)  # scheme or protocol version differs
     NOT_LEADER = ("NOT_LEADER", 9)  # talk to the leader instead
+    PERMISSION_DENIED = ("PERMISSION_DENIED", 7)  # an admin view this listener does not serve
     STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
     INTERNAL = ("INTERNAL", 13)
 
@@ -110,6 +111,10 @@ class NotLeader(KVPoolError):
     code = ErrorCode.NOT_LEADER
 
 
+class PermissionDenied(KVPoolError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
 class StorageFault(KVPoolError):
     code = ErrorCode.STORAGE_FAULT
 
@@ -132,6 +137,7 @@ _BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
         DeadlineExceeded,
         VersionMismatch,
         NotLeader,
+        PermissionDenied,
         StorageFault,
         InternalError,
     )

@@ -9,6 +9,10 @@ restarted, or an event was dropped) and it asks the node to resync with a new sn
 Durable state goes through ``DirectoryDB`` (RocksDB) when one is given: a restarted
 directory loads the registry and every node's last known blocks and answers lookups at
 once; nodes that do not come back within ``node_ttl_ms`` are dropped.
+
+Keys are opaque block keys; the service passes ``namespace digest || hash``
+(``kvpool.core.keys``), so a lookup, remove or pin of one namespace can never see or drop
+another namespace's holders, whatever hashes it names.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class NodeRecord:
     # not offered and its next heartbeat gets ``resync`` whatever its seq
     resync_needed: bool = False
     slot: int = 0
-    keys: dict[bytes, int] = field(default_factory=dict)  # block hash -> tier code
+    keys: dict[bytes, int] = field(default_factory=dict)  # block key -> tier code
 
     def public(self) -> dict[str, object]:
         return {
@@ -80,7 +84,7 @@ class NodeRecord:
 class EventIn:
     seq: int
     kind: str  # "stored" | "removed" | "cleared"
-    hashes: Sequence[bytes]
+    hashes: Sequence[bytes]  # block keys (the service builds them from namespace + hashes)
     tier: str = "host"
 
 
@@ -116,11 +120,11 @@ class DirectoryState:
         self._lock = threading.RLock()
         self._nodes: dict[str, NodeRecord] = {}
         self._by_slot: dict[int, NodeRecord] = {}
-        self._holders: dict[bytes, dict[int, int]] = {}  # hash -> {node slot: tier code}
+        self._holders: dict[bytes, dict[int, int]] = {}  # block key -> {node slot: tier code}
         self._namespaces: dict[bytes, bytes] = {}  # namespace digest -> spec digest
         self._leases: dict[int, _Lease] = {}
         self._leased_count: dict[bytes, int] = {}
-        self._deferred_removes: dict[bytes, bytes] = {}  # hash -> namespace
+        self._deferred_removes: dict[bytes, bytes] = {}  # block key -> namespace
         self._slots = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._dirty: set[str] = set()
@@ -583,7 +587,9 @@ class DirectoryDB:
     the directory drops that node's blocks and asks it to resync.
     """
 
-    _KEYS_MAGIC = b"KVK1"
+    # KVK2: the key list says its key length (the service's keys are namespace || hash, 32
+    # bytes); a KVK1 row (16-byte hashes without their namespace) reads as unknown: resync
+    _KEYS_MAGIC = b"KVK2"
     _STAMP_BYTES = 16
 
     def __init__(self, path: str) -> None:
@@ -606,7 +612,11 @@ class DirectoryDB:
         node_id = str(public["node_id"]).encode()
         stamp = struct.pack(">QQ", self._open_no, next(self._writes))
         self._db[b"node/" + node_id] = json.dumps({**public, "keys_stamp": stamp.hex()}).encode()
-        self._db[b"keys/" + node_id] = self._KEYS_MAGIC + stamp + b"".join(keys) + bytes(keys.values())
+        key_len = len(next(iter(keys), b"\0" * 32))
+        if any(len(k) != key_len for k in keys) or not 0 < key_len < 256:
+            raise InvalidArgument(f"node {node_id!r}: block keys of mixed or unsupported lengths")
+        body = bytes([key_len]) + b"".join(keys) + bytes(keys.values())
+        self._db[b"keys/" + node_id] = self._KEYS_MAGIC + stamp + body
 
     def delete_node(self, node_id: str) -> None:
         for prefix in (b"node/", b"keys/"):
@@ -639,11 +649,13 @@ class DirectoryDB:
         head = len(self._KEYS_MAGIC) + self._STAMP_BYTES
         if not raw.startswith(self._KEYS_MAGIC) or raw[len(self._KEYS_MAGIC) : head].hex() != stamp_hex:
             return None  # torn write, or a row from before stamps: unknown
-        body = raw[head:]
-        if len(body) % 17:
+        if len(raw) <= head:
             return None
-        n = len(body) // 17
-        return {body[i * 16 : i * 16 + 16]: body[n * 16 + i] for i in range(n)}
+        key_len, body = raw[head], raw[head + 1 :]
+        if not key_len or len(body) % (key_len + 1):
+            return None
+        n = len(body) // (key_len + 1)
+        return {body[i * key_len : (i + 1) * key_len]: body[n * key_len + i] for i in range(n)}
 
     def close(self) -> None:
         self._db.close()

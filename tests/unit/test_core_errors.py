@@ -20,6 +20,7 @@ EXPECTED_STATUS = {
     ErrorCode.DEADLINE_EXCEEDED: 4,
     ErrorCode.VERSION_MISMATCH: 9,
     ErrorCode.NOT_LEADER: 9,
+    ErrorCode.PERMISSION_DENIED: 7,
     ErrorCode.STORAGE_FAULT: 13,
     ErrorCode.INTERNAL: 13,
 }
