@@ -16,7 +16,10 @@ Guarantees (checked by tests/property/test_store_*):
   (tests/integration/test_tenancy.py);
 - lease and put ids are capabilities: the daemon passes an unguessable ``id_source``, so
   a caller cannot release, commit or abort another caller's lease or put by guessing;
-- soft pin TTLs are at most ``max_pin_ttl_ms``.
+- soft pin TTLs are at most ``max_pin_ttl_ms``;
+- with ``namespace_quota_bytes``, no namespace holds more than that many bytes (committed
+  and being written): a put past it evicts that namespace's own least recently used blocks
+  first, never another's, and fails whole (nothing evicted) if they cannot make room.
 
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena.
@@ -159,6 +162,7 @@ class HostStore:
         self._id_source: Callable[[], int] = id_source if id_source is not None else itertools.count(1).__next__
         self._lock = threading.RLock()
         self._protected: set[bytes] = set()  # keys a put in progress reported present: not evictable
+        self._ns_bytes: dict[bytes, int] = {}  # namespace -> bytes committed + being written
         self.stats = StoreStats()
 
     # -- reads ---------------------------------------------------------------------------
@@ -248,9 +252,13 @@ class HostStore:
             # the writer skips the blocks we report present: making room must not evict them
             self._protected = {keys[i] for i in present}
             try:
+                need = len(wanted) * block_bytes
+                if self.config.namespace_quota_bytes:
+                    self._make_quota_room(namespace, need)
                 offsets = self._allocate(len(wanted), block_bytes, now)
             finally:
                 self._protected = set()
+            self._count(namespace, need)
             put_id = self._new_id()
             slots = [(i, key, off) for (i, key), off in zip(wanted, offsets, strict=True)]
             self._pending[put_id] = _PendingPut(namespace, block_bytes, now + self.config.put_ttl_ms, slots)
@@ -270,6 +278,7 @@ class HostStore:
             if len(checksums) != len(pending.slots):
                 for _, _, off in pending.slots:
                     self._alloc.free(off)
+                self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
                 raise InvalidArgument(
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
@@ -279,6 +288,7 @@ class HostStore:
                 actual = checksum64(self._buffer[offset : offset + pending.block_bytes])
                 if actual != checksum:
                     self._alloc.free(offset)
+                    self._count(pending.namespace, -pending.block_bytes)
                     failed.append(index)
                     continue
                 entry = Entry(key, offset, pending.block_bytes, checksum, pending.namespace)
@@ -316,6 +326,7 @@ class HostStore:
             self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             for _, _, offset in pending.slots:
                 self._alloc.free(offset)
+            self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks; a leased one disappears from lookups now and is freed at release."""
@@ -393,6 +404,11 @@ class HostStore:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    def namespace_bytes(self, namespace: bytes) -> int:
+        """Bytes ``namespace`` holds here (committed and being written): what its quota counts."""
+        with self._lock:
+            return self._ns_bytes.get(namespace, 0)
+
     def summary(self) -> dict[str, int]:
         with self._lock:
             s = self.stats
@@ -413,6 +429,7 @@ class HostStore:
                 "expired_leases": s.expired_leases,
                 "pending_puts": len(self._pending),
                 "reclaimed_puts": s.reclaimed_puts,
+                "namespace_quota_bytes": self.config.namespace_quota_bytes,
             }
 
     # -- internals -----------------------------------------------------------------------
@@ -436,8 +453,16 @@ class HostStore:
             return False
         return entry.soft_pin_until_ms <= self._clock.now_ms()
 
-    def _evict_one(self) -> bool:
-        key = self._policy.pop_victim(self._evictable)
+    def _evict_one(self, namespace: bytes | None = None) -> bool:
+        """Evict the policy's next victim (only among ``namespace``'s blocks, if given)."""
+        evictable = self._evictable
+        if namespace is not None:
+            index = self._index
+
+            def evictable(key: bytes) -> bool:
+                return index[key].namespace == namespace and self._evictable(key)
+
+        key = self._policy.pop_victim(evictable)
         if key is None:
             return False
         entry = self._index[key]
@@ -502,7 +527,34 @@ class HostStore:
                 hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
             )
 
+    def _count(self, namespace: bytes, delta: int) -> None:
+        left = self._ns_bytes.get(namespace, 0) + delta
+        if left > 0:
+            self._ns_bytes[namespace] = left
+        else:
+            self._ns_bytes.pop(namespace, None)  # bounded: only namespaces holding bytes
+
+    def _make_quota_room(self, namespace: bytes, need: int) -> None:
+        """Evict ``namespace``'s own blocks until ``need`` more bytes fit its quota; raise
+        CapacityExhausted before evicting anything if they cannot (a scan of the index,
+        only on this path)."""
+        quota = self.config.namespace_quota_bytes
+        over = self._ns_bytes.get(namespace, 0) + need - quota
+        if over <= 0:
+            return
+        evictable = sum(e.size for k, e in self._index.items() if e.namespace == namespace and self._evictable(k))
+        if need > quota or evictable < over:
+            raise CapacityExhausted(
+                f"namespace {namespace.hex()[:32]} holds {self._ns_bytes.get(namespace, 0)} bytes; {need} more would "
+                f"pass its quota of {quota} bytes and only {evictable} of its bytes can be evicted "
+                "(the rest is leased, pinned or being written); nothing was evicted",
+                hint="release leases and pins, put fewer blocks at once, or raise --namespace-quota-bytes",
+            )
+        while self._ns_bytes.get(namespace, 0) + need > quota and self._evict_one(namespace):
+            pass
+
     def _unindex(self, entry: Entry) -> None:
+        self._count(entry.namespace, -entry.size)
         del self._index[entry.key]
         if entry.leases:
             entry.doomed = True

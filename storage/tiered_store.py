@@ -343,6 +343,10 @@ class TieredStore:
     def used_bytes(self) -> int:
         return self.host.used_bytes()
 
+    def namespace_bytes(self, namespace: bytes) -> int:
+        """Host bytes of ``namespace`` (its quota counts the host tier, where clients read)."""
+        return self.host.namespace_bytes(namespace)
+
     @property
     def stats(self) -> Any:
         return self.host.stats

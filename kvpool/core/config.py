@@ -25,6 +25,9 @@ class StoreConfig:
     max_leases: int = 100_000  # most read leases held at once
     max_pending_puts: int = 10_000  # most puts between start and commit at once
     max_pin_ttl_ms: int = 86_400_000  # longest soft pin (one day); renew to keep longer
+    # most bytes one namespace may hold in this tier (0 = no quota): a put past it evicts
+    # that namespace's own least recently used blocks first, never another namespace's
+    namespace_quota_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.slab_bytes <= 0:
@@ -38,6 +41,8 @@ class StoreConfig:
             raise InvalidArgument(
                 f"watermarks must satisfy 0 < low ({self.low_watermark}) <= high ({self.high_watermark}) <= 1"
             )
+        if self.namespace_quota_bytes < 0:
+            raise InvalidArgument("namespace_quota_bytes must be >= 0 (0 = no quota)")
         for name in (
             "lease_ttl_ms",
             "put_ttl_ms",

@@ -182,6 +182,13 @@ OPTIONS: list[Option] = [
     ),
     Option("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR. Default INFO."),
     Option(
+        "--namespace-quota-bytes",
+        "store.namespace_quota_bytes",
+        parse_bytes,
+        "most host-tier bytes one namespace may hold, e.g. 1GiB; a put past it evicts that "
+        "namespace's own least recently used blocks first. Default 0 (no quota).",
+    ),
+    Option(
         "--admin-views",
         "admin_views",
         str,

@@ -226,7 +226,13 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         else:
             shown = [ns for ns in every if request.namespace and ns.digest == request.namespace]
         out["namespaces"] = [
-            {"digest": ns.digest.hex(), "spec": ns.spec.describe(), "block_bytes": ns.spec.block_bytes} for ns in shown
+            {
+                "digest": ns.digest.hex(),
+                "spec": ns.spec.describe(),
+                "block_bytes": ns.spec.block_bytes,
+                "used_bytes": self.node.store.namespace_bytes(ns.digest),
+            }
+            for ns in shown
         ]
         return out
 
