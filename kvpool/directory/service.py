@@ -30,6 +30,17 @@ from kvpool.rpc.errors import from_rpc_error, typed_handler
 log = logging.getLogger("kvpool.directory.service")
 
 FORWARD_TIMEOUT_S = 5.0
+#: most hashes one Lookup / Remove / Pin or one heartbeat event may name (a 4M-token prompt
+#: at 16 tokens per block); the whole message is bounded by --max-message-bytes too
+MAX_BATCH_BLOCKS = 262_144
+
+
+def bounded_hashes(packed: bytes, what: str) -> list[bytes]:
+    """The hashes of a request field, or InvalidArgument past ``MAX_BATCH_BLOCKS``."""
+    hashes = unpack_hashes(packed)
+    if len(hashes) > MAX_BATCH_BLOCKS:
+        raise InvalidArgument(f"{what} names {len(hashes)} blocks; the limit is {MAX_BATCH_BLOCKS}", hint="split it")
+    return hashes
 
 
 def node_to_msg(node: NodeRecord) -> directory_pb2.NodeInfo:
@@ -101,7 +112,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @staticmethod
     def _event_keys(event: directory_pb2.BlockEvent) -> list[bytes]:
-        hashes = unpack_hashes(event.hashes)
+        hashes = bounded_hashes(event.hashes, "a heartbeat event")
         return block_keys(event.namespace, hashes) if hashes else []
 
     @staticmethod
@@ -150,7 +161,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @typed_handler
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
-        keys = block_keys(request.namespace, unpack_hashes(request.hashes))
+        keys = block_keys(request.namespace, bounded_hashes(request.hashes, "Lookup"))
         result = self.state.lookup(keys, request.client_node, int(request.lease_ms))
         return directory_pb2.LookupReply(
             hits=result.hits,
@@ -176,14 +187,14 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
         namespace = check_namespace(request.namespace)
-        groups, deferred = self.state.remove(block_keys(namespace, unpack_hashes(request.hashes)), namespace)
+        groups, deferred = self.state.remove(block_keys(namespace, bounded_hashes(request.hashes, "Remove")), namespace)
         removed = self.forward(groups, "Remove")
         return directory_pb2.RemoveReply(removed=removed, deferred=deferred)
 
     @typed_handler
     def Pin(self, request: directory_pb2.PinRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
-        groups = self.state.holders_by_node(block_keys(request.namespace, unpack_hashes(request.hashes)))
+        groups = self.state.holders_by_node(block_keys(request.namespace, bounded_hashes(request.hashes, "Pin")))
         changed = self.forward(groups, "Pin", hard=request.hard, ttl_ms=request.ttl_ms, unpin=request.unpin)
         return directory_pb2.PinReply(changed=changed)
 

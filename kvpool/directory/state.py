@@ -20,16 +20,15 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import struct
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpool.core.clock import Clock
-from kvpool.core.errors import InvalidArgument, NotFound, SpecMismatch, VersionMismatch
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, NotFound, SpecMismatch, VersionMismatch
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.spec import KVSpec
+from kvpool.directory.db import DirectoryDB
 
 log = logging.getLogger("kvpool.directory")
 
@@ -37,6 +36,9 @@ TIER_CODES = {"device": 2, "host": 0, "disk": 1}
 #: lower is better for reading: host DRAM first, then device, then disk
 TIER_RANK = {0: 0, 2: 1, 1: 2}
 MAX_HOLDERS_IN_REPLY = 64
+#: namespaces the directory remembers (16 nodes' worth of --max-namespaces); when full, the
+#: ones no holder's key names any more are forgotten first
+MAX_NAMESPACES = 65_536
 
 
 @dataclass
@@ -221,6 +223,20 @@ class DirectoryState:
                 hint="every node of a cluster must use the same model revision, layout, dtype and block size",
             )
 
+    def _learn_namespace(self, namespace: bytes, spec_digest: bytes) -> None:
+        """Remember a namespace's spec digest, within ``MAX_NAMESPACES``: when full, forget
+        those no holder key (namespace || hash) names, then refuse (CapacityExhausted)."""
+        if namespace not in self._namespaces and len(self._namespaces) >= MAX_NAMESPACES:
+            used = {key[:16] for key in self._holders}
+            for unused in [ns for ns in self._namespaces if ns not in used]:
+                del self._namespaces[unused]
+            if len(self._namespaces) >= MAX_NAMESPACES:
+                raise CapacityExhausted(
+                    f"the directory knows {MAX_NAMESPACES} namespaces and every one has blocks",
+                    hint="remove the blocks of namespaces no longer used",
+                )
+        self._namespaces[namespace] = spec_digest
+
     def register(
         self,
         node: NodeRecord,
@@ -241,7 +257,7 @@ class DirectoryState:
             for ns, digest, spec_json in namespaces:
                 self.check_namespace(ns, digest, spec_json)
             for ns, digest, _ in namespaces:
-                self._namespaces[ns] = digest
+                self._learn_namespace(ns, digest)
             old = self._nodes.get(node.node_id)
             if old is not None:
                 self._drop_keys(old)
@@ -285,7 +301,7 @@ class DirectoryState:
                 return True, 0
             for ns, digest, spec_json in namespaces:
                 self.check_namespace(ns, digest, spec_json)
-                self._namespaces[ns] = digest
+                self._learn_namespace(ns, digest)
             node.last_heartbeat_ms = self._clock.now_ms()
             node.confirmed = True
             node.used_bytes = used_bytes
@@ -572,90 +588,3 @@ class DirectoryState:
                 "deferred_removes": len(self._deferred_removes),
                 **self.counters,
             }
-
-
-class DirectoryDB:
-    """RocksDB (rocksdict) under ``path``: node registry, each node's last known blocks,
-    namespaces and the epoch counter. Written by ``DirectoryState.flush``.
-
-    A node is two rows, ``node/<id>`` (JSON, with its last applied seq) and ``keys/<id>`` (its
-    blocks), written by two puts: a crash between them must not pair a new seq with an old
-    key list (the node's stream would then continue with no resync and the directory would
-    offer blocks the node removed). So every ``put_node`` stamps both rows with the same
-    write stamp, unique over the database's life (the open count and a per-open write
-    counter); ``nodes`` returns ``None`` as the key list of a node whose stamps differ, and
-    the directory drops that node's blocks and asks it to resync.
-    """
-
-    # KVK2: the key list says its key length (the service's keys are namespace || hash, 32
-    # bytes); a KVK1 row (16-byte hashes without their namespace) reads as unknown: resync
-    _KEYS_MAGIC = b"KVK2"
-    _STAMP_BYTES = 16
-
-    def __init__(self, path: str) -> None:
-        from rocksdict import Rdict
-
-        self.path = path
-        self._db: Any = Rdict(path)
-        self._open_no = self._bump(b"meta/opens")  # first part of every write stamp
-        self._writes = itertools.count(1)
-
-    def _bump(self, counter: bytes) -> int:
-        value = int(self._db.get(counter, b"0")) + 1
-        self._db[counter] = str(value).encode()
-        return value
-
-    def next_epoch(self) -> int:
-        return self._bump(b"meta/epoch")
-
-    def put_node(self, public: dict[str, object], keys: dict[bytes, int]) -> None:
-        node_id = str(public["node_id"]).encode()
-        stamp = struct.pack(">QQ", self._open_no, next(self._writes))
-        self._db[b"node/" + node_id] = json.dumps({**public, "keys_stamp": stamp.hex()}).encode()
-        key_len = len(next(iter(keys), b"\0" * 32))
-        if any(len(k) != key_len for k in keys) or not 0 < key_len < 256:
-            raise InvalidArgument(f"node {node_id!r}: block keys of mixed or unsupported lengths")
-        body = bytes([key_len]) + b"".join(keys) + bytes(keys.values())
-        self._db[b"keys/" + node_id] = self._KEYS_MAGIC + stamp + body
-
-    def delete_node(self, node_id: str) -> None:
-        for prefix in (b"node/", b"keys/"):
-            try:
-                del self._db[prefix + node_id.encode()]
-            except KeyError:
-                pass
-
-    def put_namespaces(self, namespaces: dict[bytes, bytes]) -> None:
-        self._db[b"meta/namespaces"] = b"".join(ns + digest for ns, digest in namespaces.items())
-
-    def namespaces(self) -> list[tuple[bytes, bytes]]:
-        raw = self._db.get(b"meta/namespaces", b"")
-        return [(raw[i : i + 16], raw[i + 16 : i + 32]) for i in range(0, len(raw), 32)]
-
-    def nodes(self) -> list[tuple[NodeRecord, dict[bytes, int] | None]]:
-        """Every stored node with its blocks (hash -> tier code); ``None`` for the blocks of a
-        node whose key list is missing or does not carry its row's write stamp."""
-        out: list[tuple[NodeRecord, dict[bytes, int] | None]] = []
-        for key, value in self._db.items(from_key=b"node/"):
-            if not key.startswith(b"node/"):
-                break
-            public = json.loads(value)
-            record = NodeRecord(**{k: public[k] for k in public if k in NodeRecord.__dataclass_fields__})
-            out.append((record, self._keys(key[5:], str(public.get("keys_stamp", "")))))
-        return out
-
-    def _keys(self, node_id: bytes, stamp_hex: str) -> dict[bytes, int] | None:
-        raw = self._db.get(b"keys/" + node_id, b"")
-        head = len(self._KEYS_MAGIC) + self._STAMP_BYTES
-        if not raw.startswith(self._KEYS_MAGIC) or raw[len(self._KEYS_MAGIC) : head].hex() != stamp_hex:
-            return None  # torn write, or a row from before stamps: unknown
-        if len(raw) <= head:
-            return None
-        key_len, body = raw[head], raw[head + 1 :]
-        if not key_len or len(body) % (key_len + 1):
-            return None
-        n = len(body) // (key_len + 1)
-        return {body[i * key_len : (i + 1) * key_len]: body[n * key_len + i] for i in range(n)}
-
-    def close(self) -> None:
-        self._db.close()

@@ -152,3 +152,28 @@ def test_oversized_requests_are_refused_before_decoding() -> None:
     with pytest.raises(InvalidArgument) as info:
         decode_request(b"\x00" * 2048, pool_pb2.HelloRequest, "Hello", 1024)
     assert "2048" in info.value.message and "1024" in info.value.message
+
+
+def test_the_directory_forgets_namespaces_no_block_names_when_its_table_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+
+    from kvpool.directory import state as directory_state
+    from kvpool.directory.state import DirectoryState, NodeRecord
+
+    monkeypatch.setattr(directory_state, "MAX_NAMESPACES", 2)
+    s = DirectoryState(FakeClock())
+    row = [json.dumps(SPEC.to_dict())]
+
+    def register(node: str, namespaces: list[bytes], keys: list[bytes]) -> None:
+        record = NodeRecord(node, f"{node}:1", f"{node}:2", "tcp", node)
+        s.register(record, HASH_SCHEME, [(n, SPEC.digest(), row[0]) for n in namespaces], keys, b"")
+
+    register("a", [ns(1), ns(2)], [block_key(ns(1), b"h" * 16)])
+    register("b", [ns(3)], [])  # full: ns(2) has no block, it is forgotten
+    assert s.summary()["namespaces"] == 2
+    register("c", [ns(4)], [block_key(ns(4), b"h" * 16)])  # ns(3) has no block: forgotten
+    with pytest.raises(CapacityExhausted):
+        register("d", [ns(5)], [])  # ns(1) and ns(4) both have blocks
+    assert s.summary()["namespaces"] == 2
