@@ -220,6 +220,19 @@ class HostStore:
                 )
             self._drop_lease(lease)
 
+    def release_many(self, lease_ids: Sequence[int]) -> int:
+        """End several read leases under one lock; returns how many were unknown or expired
+        (no exception per id: a caller sending thousands of stale ids costs one pass)."""
+        with self._lock:
+            unknown = 0
+            for lease_id in lease_ids:
+                lease = self._leases.pop(lease_id, None)
+                if lease is None:
+                    unknown += 1
+                else:
+                    self._drop_lease(lease)
+            return unknown
+
     # -- writes --------------------------------------------------------------------------
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve a slot for every key not present nor being written. All or nothing."""

@@ -197,6 +197,9 @@ class TieredStore:
     def release(self, lease_id: int) -> None:
         self.host.release(lease_id)
 
+    def release_many(self, lease_ids: Sequence[int]) -> int:
+        return self.host.release_many(lease_ids)
+
     # -- writes --------------------------------------------------------------------------
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve host slots for keys no tier holds; keys only a lower tier holds are

@@ -13,7 +13,8 @@ the daemon builds the keys right after decoding and splits them right before enc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.hashing import HASH_BYTES
@@ -61,3 +62,44 @@ def group_by_namespace(keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
     for key in keys:
         out.setdefault(key[:NAMESPACE_BYTES], []).append(key[NAMESPACE_BYTES:])
     return out
+
+
+class BlockKeys(Sequence[bytes]):
+    """The block keys of a packed ``n x 16``-byte hash field in one namespace, built one at a
+    time as a store walks them. Why lazy: a lookup or lease stops at the first miss, so a
+    request naming 65,536 hashes that miss at once costs one key, not 65,536 allocations
+    (a tenant flooding the daemon with the largest requests must not slow the others)."""
+
+    __slots__ = ("_count", "_namespace", "_packed")
+
+    def __init__(self, namespace: bytes, packed: bytes) -> None:
+        self._namespace = check_namespace(namespace)
+        if len(packed) % HASH_BYTES:
+            raise InvalidArgument(f"packed hashes length {len(packed)} is not a multiple of {HASH_BYTES}")
+        self._packed = packed
+        self._count = len(packed) // HASH_BYTES
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return [self._key(i) for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        return self._key(index)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._count):
+            yield self._key(i)
+
+    def _key(self, i: int) -> bytes:
+        return self._namespace + self._packed[i * HASH_BYTES : (i + 1) * HASH_BYTES]

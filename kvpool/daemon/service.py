@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 
-from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, LeaseExpired, PermissionDenied
-from kvpool.core.hashing import HASH_SCHEME, pack_hashes, unpack_hashes
-from kvpool.core.keys import block_keys, hashes_of, key_hash
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
+from kvpool.core.hashing import HASH_SCHEME, pack_hashes
+from kvpool.core.keys import BlockKeys, hashes_of, key_hash
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.codec import PROTOCOL_VERSION, event_to_msg, spec_from_msg
@@ -60,17 +60,17 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self.admin_enabled = node.config.admin_enabled
 
     # helpers
-    def _keys(self, request: Any) -> tuple[NamespaceInfo, list[bytes]]:
+    def _keys(self, request: Any) -> tuple[NamespaceInfo, BlockKeys]:
         """The request's registered namespace (UnknownNamespace if not) and the block keys
         of its hashes in that namespace."""
         info = self.node.namespace(request.namespace)
-        hashes = unpack_hashes(request.hashes)
-        if len(hashes) > self.node.config.store.max_batch_blocks:
+        keys = BlockKeys(info.digest, request.hashes)  # built lazily: a lookup stops at its first miss
+        if len(keys) > self.node.config.store.max_batch_blocks:
             raise InvalidArgument(
-                f"{len(hashes)} blocks in one call; the limit is {self.node.config.store.max_batch_blocks}",
+                f"{len(keys)} blocks in one call; the limit is {self.node.config.store.max_batch_blocks}",
                 hint="split the batch",
             )
-        return info, block_keys(info.digest, hashes)
+        return info, keys
 
     def _release(self, lease_ids: Any) -> int:
         if len(lease_ids) > MAX_RELEASE_IDS_PER_CALL:
@@ -78,13 +78,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
                 f"{len(lease_ids)} lease ids in one call; the limit is {MAX_RELEASE_IDS_PER_CALL}",
                 hint="release in smaller batches",
             )
-        expired = 0
-        for lease_id in lease_ids:
-            try:
-                self.node.store.release(lease_id)
-            except LeaseExpired:
-                expired += 1
-        return expired
+        return self.node.store.release_many(lease_ids) if lease_ids else 0
 
     def _require_admin(self, what: str) -> None:
         if not self.admin_enabled:

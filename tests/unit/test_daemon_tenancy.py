@@ -16,7 +16,7 @@ from kvpool.core.config import DaemonConfig, StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, UnknownNamespace
 from kvpool.core.events import EventKind
 from kvpool.core.hashing import HASH_SCHEME
-from kvpool.core.keys import block_key, block_keys, group_by_namespace, hashes_of, key_namespace
+from kvpool.core.keys import BlockKeys, block_key, block_keys, group_by_namespace, hashes_of, key_namespace
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.event_log import EventLog
 from kvpool.daemon.node import NAMESPACE_RETIRE_INTERVAL_MS, PoolNode
@@ -41,6 +41,29 @@ def test_block_keys_join_and_split_namespace_and_hash() -> None:
     assert group_by_namespace([*keys, *block_keys(B, hashes[:1])]) == {A: hashes, B: hashes[:1]}
     with pytest.raises(InvalidArgument):
         block_keys(b"short", hashes)
+
+
+def test_lazy_block_keys_are_the_same_keys() -> None:
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    lazy = BlockKeys(A, b"".join(hashes))
+    assert len(lazy) == 5 and list(lazy) == block_keys(A, hashes)
+    assert lazy[1] == lazy[-4] == A + hashes[1] and lazy[3:] == block_keys(A, hashes[3:])
+    with pytest.raises(IndexError):
+        lazy[5]
+    with pytest.raises(InvalidArgument) as info:
+        BlockKeys(A, b"\x01" * 17)
+    assert "multiple of 16" in info.value.message
+
+
+def test_release_many_ends_known_leases_and_counts_the_rest(tmp_path: Path) -> None:
+    node = make_node(tmp_path, FakeClock())
+    try:
+        put_one(node, A)
+        grant = node.store.lease([block_key(A, b"h" * 16)])
+        assert node.store.release_many([grant.lease_id, 12345, grant.lease_id]) == 2
+        assert node.store.summary()["leases_active"] == 0
+    finally:
+        node.close()
 
 
 def test_scoped_reads_see_only_their_namespace_numbered_in_it() -> None:
