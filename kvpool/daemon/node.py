@@ -145,7 +145,8 @@ class PoolNode:
             retire = [ns for ns in blockless if now - self._last_used_ms.get(ns, 0.0) >= idle_ms]
             if under_pressure:
                 excess = len(self._namespaces) - len(retire) - self.config.max_namespaces * 3 // 4
-                rest = [ns for ns in blockless if ns not in set(retire)]
+                idle = set(retire)
+                rest = [ns for ns in blockless if ns not in idle]
                 retire.extend(rest[: max(0, excess)])
             for ns in retire:
                 del self._namespaces[ns]
