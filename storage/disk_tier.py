@@ -12,10 +12,11 @@ Why this shape:
   a third of the throughput). Payloads are written and read with ``O_DIRECT`` from
   page-aligned anonymous-mmap buffers through a bounded thread pool (``os.pwritev`` /
   ``os.preadv``), so KV bytes do not churn the page cache.
-- Each block's 128-byte header (magic, format and hash-scheme versions, block hash,
-  namespace, length, checksum, write sequence, header checksum) sits in the file's header
-  table, written with the payload in the same durable batch. Reads verify the payload's
-  xxh3 checksum against the committed index, so a torn write, a flipped bit or a slot
+- Each block's 128-byte header (magic, format and hash-scheme versions, block key with its
+  length (up to 32 bytes: the daemon's keys are namespace digest || hash), namespace,
+  length, checksum, write sequence, header checksum) sits in the file's header table,
+  written with the payload in the same durable batch. Reads verify the payload's xxh3
+  checksum against the committed index, so a torn write, a flipped bit or a slot
   reused after a crash is detected, dropped, counted and served as a miss; the headers make
   the files self-describing, so a lost index can be rebuilt. Wrong KV is never returned.
 - Durability order of a batch: delete the evicted victims' index entries (LMDB commit),
@@ -60,14 +61,16 @@ HEADER_BYTES = 128  # one block header in a file's header table
 HEADERS_PER_PAGE = IO_ALIGN_BYTES // HEADER_BYTES
 FILE_HEADER_BYTES = IO_ALIGN_BYTES  # each slab file starts with its own header page
 MAX_PAYLOAD_ALIGN_BYTES = 4 << 20
-FORMAT_VERSION = 1
+# format 2: keys are up to 32 bytes with their length in the header (the daemon's block key
+# is namespace digest || hash, so two namespaces' blocks of one hash are two disk blocks)
+FORMAT_VERSION = 2
 BLOCK_MAGIC = b"KVPB"
 FILE_MAGIC = b"KVPSLAB1"
-KEY_BYTES = 16
+MAX_KEY_BYTES = 32
 NAMESPACE_BYTES = 16
 
-# block header: magic, format, scheme, key, namespace, size, checksum, seq, header checksum
-_BLOCK_HEADER = struct.Struct("<4sH2x16s16s16sQQQ")
+# block header: magic, format, key length, scheme, key, namespace, size, checksum, seq, header checksum
+_BLOCK_HEADER = struct.Struct("<4sHBx16s32s16sQQQ")
 _BLOCK_HEADER_CRC = struct.Struct("<Q")
 # slab file header: magic, format, scheme, slab_file_bytes, slot_bytes (0 = unassigned)
 _FILE_HEADER = struct.Struct("<8sH6x16sQQ")
@@ -587,7 +590,7 @@ class DiskTier:
         unpack = _INDEX_VALUE.unpack
         with self._env.begin(db=self._db_blocks, buffers=False) as txn:
             for key, value in txn.cursor():
-                if len(key) != KEY_BYTES or len(value) != _INDEX_VALUE.size:
+                if not 0 < len(key) <= MAX_KEY_BYTES or len(value) != _INDEX_VALUE.size:
                     bad.append(bytes(key))
                     continue
                 f, offset, size, checksum, slot_bytes, seq, namespace = unpack(value)
@@ -839,8 +842,8 @@ class DiskTier:
     def enqueue(self, key: bytes, namespace: bytes, data: np.ndarray, checksum: int) -> bool:
         """Copy a block into the write-behind queue. False when it was not taken (already
         there, queue full, tier closed); never blocks, because the caller holds the host lock."""
-        if len(key) != KEY_BYTES:
-            raise InvalidArgument(f"block keys are {KEY_BYTES} bytes, got {len(key)}")
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgument(f"block keys are 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
         with self._lock:
             if self._closed or key in self._index or key in self._queued:
                 return False
@@ -1088,8 +1091,9 @@ class DiskTier:
         head = _BLOCK_HEADER.pack(
             BLOCK_MAGIC,
             FORMAT_VERSION,
+            len(entry.key),
             self._scheme_raw,
-            entry.key,
+            entry.key,  # padded to 32 bytes by the struct; its length is stored before it
             entry.namespace,
             entry.size,
             entry.checksum,
@@ -1274,13 +1278,15 @@ class DiskTier:
         """(key, namespace, size, checksum, seq) of an intact header of this scheme, else None."""
         if len(raw) < _BLOCK_HEADER.size + _BLOCK_HEADER_CRC.size:
             return None
-        magic, fmt, scheme, key, namespace, size, checksum, seq = _BLOCK_HEADER.unpack_from(raw, 0)
+        magic, fmt, key_len, scheme, key, namespace, size, checksum, seq = _BLOCK_HEADER.unpack_from(raw, 0)
         if magic != BLOCK_MAGIC or fmt != FORMAT_VERSION or scheme != self._scheme_raw:
+            return None
+        if not 0 < key_len <= MAX_KEY_BYTES:
             return None
         (header_crc,) = _BLOCK_HEADER_CRC.unpack_from(raw, _BLOCK_HEADER.size)
         if checksum64(raw[: _BLOCK_HEADER.size]) != header_crc:
             return None
-        return bytes(key), bytes(namespace), size, checksum, seq
+        return bytes(key[:key_len]), bytes(namespace), size, checksum, seq
 
     # -- removal and shutdown ------------------------------------------------------------
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:

@@ -10,7 +10,16 @@ Guarantees (checked by tests/property/test_store_*):
 - used bytes never exceed the arena; a put that cannot fit fails whole (nothing stored
   before it is lost or changed);
 - puts whose writer died (not committed by ``put_ttl_ms``) and leases not released by
-  ``lease_ttl_ms`` are reclaimed by ``sweep``.
+  ``lease_ttl_ms`` are reclaimed by ``sweep``;
+- keys are opaque and exact: the daemon's keys are ``namespace digest || hash``
+  (``kvpool.core.keys``), so no call of one namespace reaches another's block
+  (tests/integration/test_tenancy.py);
+- lease and put ids are capabilities: the daemon passes an unguessable ``id_source``, so
+  a caller cannot release, commit or abort another caller's lease or put by guessing;
+- soft pin TTLs are at most ``max_pin_ttl_ms``;
+- with ``namespace_quota_bytes``, no namespace holds more than that many bytes (committed
+  and being written): a put past it evicts that namespace's own least recently used blocks
+  first, never another's, and fails whole (nothing evicted) if they cannot make room.
 
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena.
@@ -133,7 +142,10 @@ class HostStore:
         policy: EvictionPolicy | None = None,
         on_event: EventSink | None = None,
         on_evict: DemoteHook | None = None,
+        id_source: Callable[[], int] | None = None,
     ) -> None:
+        """``id_source``: lease and put ids (default 1, 2, 3, ...; the daemon passes random
+        63-bit ids, so ids double as capabilities)."""
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < config.capacity_bytes:
             raise InvalidArgument("the store's buffer must be a 1-D uint8 array of at least capacity_bytes")
         self._buffer = buffer
@@ -147,9 +159,10 @@ class HostStore:
         self._pending: dict[int, _PendingPut] = {}
         self._pending_keys: set[bytes] = set()
         self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
+        self._id_source: Callable[[], int] = id_source if id_source is not None else itertools.count(1).__next__
         self._lock = threading.RLock()
         self._protected: set[bytes] = set()  # keys a put in progress reported present: not evictable
+        self._ns_bytes: dict[bytes, int] = {}  # namespace -> bytes committed + being written
         self.stats = StoreStats()
 
     # -- reads ---------------------------------------------------------------------------
@@ -191,7 +204,7 @@ class HostStore:
             for entry in entries:
                 entry.leases += 1
                 self._policy.on_access(entry.key)
-            lease_id = next(self._ids)
+            lease_id = self._new_id()
             self._leases[lease_id] = _Lease(entries, expires)
             return LeaseGrant(lease_id, [BlockLocation(e.offset, e.size, e.checksum) for e in entries], expires)
 
@@ -206,6 +219,19 @@ class HostStore:
                     hint="reads must finish within lease_ttl_ms; data read under it must be re-verified",
                 )
             self._drop_lease(lease)
+
+    def release_many(self, lease_ids: Sequence[int]) -> int:
+        """End several read leases under one lock; returns how many were unknown or expired
+        (no exception per id: a caller sending thousands of stale ids costs one pass)."""
+        with self._lock:
+            unknown = 0
+            for lease_id in lease_ids:
+                lease = self._leases.pop(lease_id, None)
+                if lease is None:
+                    unknown += 1
+                else:
+                    self._drop_lease(lease)
+            return unknown
 
     # -- writes --------------------------------------------------------------------------
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
@@ -239,10 +265,14 @@ class HostStore:
             # the writer skips the blocks we report present: making room must not evict them
             self._protected = {keys[i] for i in present}
             try:
+                need = len(wanted) * block_bytes
+                if self.config.namespace_quota_bytes:
+                    self._make_quota_room(namespace, need)
                 offsets = self._allocate(len(wanted), block_bytes, now)
             finally:
                 self._protected = set()
-            put_id = next(self._ids)
+            self._count(namespace, need)
+            put_id = self._new_id()
             slots = [(i, key, off) for (i, key), off in zip(wanted, offsets, strict=True)]
             self._pending[put_id] = _PendingPut(namespace, block_bytes, now + self.config.put_ttl_ms, slots)
             self._pending_keys.update(key for _, key in wanted)
@@ -261,6 +291,7 @@ class HostStore:
             if len(checksums) != len(pending.slots):
                 for _, _, off in pending.slots:
                     self._alloc.free(off)
+                self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
                 raise InvalidArgument(
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
@@ -270,6 +301,7 @@ class HostStore:
                 actual = checksum64(self._buffer[offset : offset + pending.block_bytes])
                 if actual != checksum:
                     self._alloc.free(offset)
+                    self._count(pending.namespace, -pending.block_bytes)
                     failed.append(index)
                     continue
                 entry = Entry(key, offset, pending.block_bytes, checksum, pending.namespace)
@@ -307,6 +339,7 @@ class HostStore:
             self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             for _, _, offset in pending.slots:
                 self._alloc.free(offset)
+            self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks; a leased one disappears from lookups now and is freed at release."""
@@ -330,6 +363,11 @@ class HostStore:
     def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
         """Pin present blocks: hard (ttl_ms None) until unpinned, soft until now + ttl_ms."""
         self._check_batch(keys)
+        if ttl_ms is not None and not 0 < ttl_ms <= self.config.max_pin_ttl_ms:
+            raise InvalidArgument(
+                f"soft pin ttl_ms {ttl_ms} is outside 1..{self.config.max_pin_ttl_ms} ms",
+                hint="pin for at most max_pin_ttl_ms and renew it, or use a hard pin",
+            )
         with self._lock:
             until = self._clock.now_ms() + ttl_ms if ttl_ms is not None else 0.0
             n = 0
@@ -345,6 +383,7 @@ class HostStore:
             return n
 
     def unpin(self, keys: Sequence[bytes]) -> int:
+        self._check_batch(keys)
         with self._lock:
             n = 0
             for key in keys:
@@ -378,6 +417,11 @@ class HostStore:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    def namespace_bytes(self, namespace: bytes) -> int:
+        """Bytes ``namespace`` holds here (committed and being written): what its quota counts."""
+        with self._lock:
+            return self._ns_bytes.get(namespace, 0)
+
     def summary(self) -> dict[str, int]:
         with self._lock:
             s = self.stats
@@ -398,9 +442,17 @@ class HostStore:
                 "expired_leases": s.expired_leases,
                 "pending_puts": len(self._pending),
                 "reclaimed_puts": s.reclaimed_puts,
+                "namespace_quota_bytes": self.config.namespace_quota_bytes,
             }
 
     # -- internals -----------------------------------------------------------------------
+    def _new_id(self) -> int:
+        """A lease / put id not in use (0 means "none" on the wire)."""
+        while True:
+            new = self._id_source()
+            if new and new not in self._leases and new not in self._pending:
+                return new
+
     def _check_batch(self, keys: Sequence[bytes]) -> None:
         if len(keys) > self.config.max_batch_blocks:
             raise InvalidArgument(
@@ -414,8 +466,16 @@ class HostStore:
             return False
         return entry.soft_pin_until_ms <= self._clock.now_ms()
 
-    def _evict_one(self) -> bool:
-        key = self._policy.pop_victim(self._evictable)
+    def _evict_one(self, namespace: bytes | None = None) -> bool:
+        """Evict the policy's next victim (only among ``namespace``'s blocks, if given)."""
+        evictable = self._evictable
+        if namespace is not None:
+            index = self._index
+
+            def evictable(key: bytes) -> bool:
+                return index[key].namespace == namespace and self._evictable(key)
+
+        key = self._policy.pop_victim(evictable)
         if key is None:
             return False
         entry = self._index[key]
@@ -480,7 +540,34 @@ class HostStore:
                 hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
             )
 
+    def _count(self, namespace: bytes, delta: int) -> None:
+        left = self._ns_bytes.get(namespace, 0) + delta
+        if left > 0:
+            self._ns_bytes[namespace] = left
+        else:
+            self._ns_bytes.pop(namespace, None)  # bounded: only namespaces holding bytes
+
+    def _make_quota_room(self, namespace: bytes, need: int) -> None:
+        """Evict ``namespace``'s own blocks until ``need`` more bytes fit its quota; raise
+        CapacityExhausted before evicting anything if they cannot (a scan of the index,
+        only on this path)."""
+        quota = self.config.namespace_quota_bytes
+        over = self._ns_bytes.get(namespace, 0) + need - quota
+        if over <= 0:
+            return
+        evictable = sum(e.size for k, e in self._index.items() if e.namespace == namespace and self._evictable(k))
+        if need > quota or evictable < over:
+            raise CapacityExhausted(
+                f"namespace {namespace.hex()[:32]} holds {self._ns_bytes.get(namespace, 0)} bytes; {need} more would "
+                f"pass its quota of {quota} bytes and only {evictable} of its bytes can be evicted "
+                "(the rest is leased, pinned or being written); nothing was evicted",
+                hint="release leases and pins, put fewer blocks at once, or raise --namespace-quota-bytes",
+            )
+        while self._ns_bytes.get(namespace, 0) + need > quota and self._evict_one(namespace):
+            pass
+
     def _unindex(self, entry: Entry) -> None:
+        self._count(entry.namespace, -entry.size)
         del self._index[entry.key]
         if entry.leases:
             entry.doomed = True

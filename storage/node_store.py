@@ -9,6 +9,8 @@ stats under ``summary()["tiers"]``); otherwise the plain ``HostStore``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvpool.core.clock import Clock
@@ -19,9 +21,16 @@ from kvpool.storage.tiered_store import TieredStore
 
 
 def build_node_store(
-    config: DaemonConfig, buffer: np.ndarray, clock: Clock, on_event: EventSink | None
+    config: DaemonConfig,
+    buffer: np.ndarray,
+    clock: Clock,
+    on_event: EventSink | None,
+    id_source: Callable[[], int] | None = None,
 ) -> HostStore | TieredStore:
+    """``id_source``: lease and put ids (the daemon passes unguessable ones, see HostStore)."""
     tiers = config.tiers
     if tiers.disk_dir or tiers.device_capacity_bytes > 0:
-        return TieredStore(buffer, config.store, tiers, clock, on_event=on_event)
-    return HostStore(buffer, config.store, clock, policy=make_policy(tiers.host_policy), on_event=on_event)
+        return TieredStore(buffer, config.store, tiers, clock, on_event=on_event, id_source=id_source)
+    return HostStore(
+        buffer, config.store, clock, policy=make_policy(tiers.host_policy), on_event=on_event, id_source=id_source
+    )

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,7 @@ class TieredStore:
         on_event: EventSink | None = None,
         device_allow_cpu: bool = False,
         disk_direct_io: bool | None = None,
+        id_source: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
         self.tier_config = tiers
@@ -163,6 +164,7 @@ class TieredStore:
             policy=make_policy(tiers.host_policy),
             on_event=self._on_host_event,
             on_evict=self._on_host_evict,
+            id_source=id_source,
         )
 
     # -- reads ---------------------------------------------------------------------------
@@ -194,6 +196,9 @@ class TieredStore:
 
     def release(self, lease_id: int) -> None:
         self.host.release(lease_id)
+
+    def release_many(self, lease_ids: Sequence[int]) -> int:
+        return self.host.release_many(lease_ids)
 
     # -- writes --------------------------------------------------------------------------
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
@@ -340,6 +345,10 @@ class TieredStore:
 
     def used_bytes(self) -> int:
         return self.host.used_bytes()
+
+    def namespace_bytes(self, namespace: bytes) -> int:
+        """Host bytes of ``namespace`` (its quota counts the host tier, where clients read)."""
+        return self.host.namespace_bytes(namespace)
 
     @property
     def stats(self) -> Any:

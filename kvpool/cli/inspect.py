@@ -14,7 +14,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpool.client.admin import PoolAdmin
 
 DEFAULT_ADDRESS = "127.0.0.1:7450"
 
@@ -79,6 +82,19 @@ def render_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _all_namespaces(admin: PoolAdmin) -> list[dict[str, Any]]:
+    """Every page of the Stats namespace list (an admin view, docs/security.md)."""
+    out: list[dict[str, Any]] = []
+    after = b""
+    while True:
+        stats = admin.stats(namespaces_after=after)
+        out.extend(stats.get("namespaces", []))
+        following = stats.get("namespaces_next", "")
+        if not following:
+            return out
+        after = bytes.fromhex(following)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.client.admin import PoolAdmin
     from kvpool.core.errors import KVPoolError
@@ -90,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                 stats = admin.stats()
                 print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_stats(stats))
             elif args.what == "namespaces":
-                namespaces = admin.stats().get("namespaces", [])
+                namespaces = _all_namespaces(admin)
                 if args.json:
                     print(json.dumps(namespaces, indent=2))
                 else:

@@ -1,7 +1,10 @@
-"""``PoolAdmin``: namespace-free calls for operators and tools (stats, events, snapshots).
+"""``PoolAdmin``: calls for operators and tools (stats, events, snapshots).
 
 The inspection CLI uses it; it needs no KVSpec and maps no arena, so it works from any
-host that can reach the daemon's control port.
+host that can reach the daemon's control port. Without a ``namespace`` it asks for the
+admin views (every namespace's events and blocks, the namespace list), which a daemon
+serves only where admin views are enabled on its listener (docs/security.md); with one
+(``PoolClient`` passes its own) every view is scoped to that namespace.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from kvpool.rpc.errors import from_rpc_error
 
 
 class PoolAdmin:
-    def __init__(self, address: str, timeout_s: float = 5.0, channel: grpc.Channel | None = None) -> None:
-        """``channel``: share an existing channel (PoolClient does); it is then not closed here."""
+    def __init__(
+        self, address: str, timeout_s: float = 5.0, channel: grpc.Channel | None = None, namespace: bytes = b""
+    ) -> None:
+        """``channel``: share an existing channel (PoolClient does); it is then not closed here.
+        ``namespace``: scope every view to this namespace digest ("" = admin views)."""
         self.address = address
+        self.namespace = namespace
         self.timeout_s = timeout_s
         self._owns_channel = channel is None
         self._channel = channel if channel is not None else grpc.insecure_channel(address)
@@ -34,25 +41,37 @@ class PoolAdmin:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, namespaces_after: bytes = b"", namespaces_limit: int = 0) -> dict[str, Any]:
+        """The node's counters; ``namespaces`` lists one page of namespaces (admin view;
+        ``namespaces_next`` is the digest to pass as ``namespaces_after`` for the next)."""
+        request = pool_pb2.StatsRequest(
+            namespace=self.namespace, namespaces_after=namespaces_after, namespaces_limit=namespaces_limit
+        )
         try:
-            reply = self._stub.Stats(pool_pb2.StatsRequest(), timeout=self.timeout_s)
+            reply = self._stub.Stats(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         result: dict[str, Any] = json.loads(reply.json)
         return result
 
     def snapshot(self, namespace: bytes = b"") -> tuple[int, list[bytes]]:
+        """(last event seq, block hashes) of ``namespace`` (default: this admin's scope; with
+        neither, every namespace's: an admin view)."""
+        scope = namespace or self.namespace
+        request = pool_pb2.SnapshotRequest(namespace=scope, all_namespaces=not scope)
         try:
-            reply = self._stub.Snapshot(pool_pb2.SnapshotRequest(namespace=namespace), timeout=self.timeout_s)
+            reply = self._stub.Snapshot(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         return int(reply.last_seq), unpack_hashes(reply.hashes)
 
     def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
-        """Follow the node's events (blocks). A gap in seq means: resync with ``snapshot``."""
+        """Follow the node's events (blocks). A gap in seq means: resync with ``snapshot``.
+        Scoped to this admin's namespace (its own seq numbers) or, without one, every
+        namespace's (node-wide seq numbers; an admin view)."""
+        request = pool_pb2.EventsRequest(from_seq=from_seq, namespace=self.namespace, all_namespaces=not self.namespace)
         try:
-            for msg in self._stub.Events(pool_pb2.EventsRequest(from_seq=from_seq)):
+            for msg in self._stub.Events(request):
                 yield event_from_msg(msg)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:

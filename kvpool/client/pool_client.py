@@ -115,7 +115,7 @@ class PoolClient:
         self._ns_digest = namespace.digest()
         self._channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
-        self._admin = PoolAdmin(address, timeout_s, self._channel)
+        self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest)
         self._arena: SharedArena | None = None
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
@@ -253,7 +253,8 @@ class PoolClient:
         return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
 
     def stats(self) -> dict[str, Any]:
-        """The node's counters (see ``kvpool inspect stats``)."""
+        """The node's counters (see ``kvpool inspect stats``); ``namespaces`` lists this
+        client's namespace (all of them where the daemon serves admin views)."""
         return self._admin.stats()
 
     def snapshot(self) -> tuple[int, list[bytes]]:
@@ -261,8 +262,9 @@ class PoolClient:
         return self._admin.snapshot(self._ns_digest)
 
     def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
-        """The node's KV events from ``from_seq`` on (blocks until they come). A gap in
-        ``seq`` means events were dropped: resync with ``snapshot``."""
+        """This namespace's KV events from ``from_seq`` on (blocks until they come), numbered
+        1, 2, 3, ... in this namespace. A gap in ``seq`` means events were dropped: resync
+        with ``snapshot``, whose seq is of the same numbering."""
         return self._admin.events(from_seq)
 
     def flush_releases(self) -> None:

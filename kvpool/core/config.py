@@ -24,6 +24,10 @@ class StoreConfig:
     max_batch_blocks: int = 65_536  # most blocks one call may name
     max_leases: int = 100_000  # most read leases held at once
     max_pending_puts: int = 10_000  # most puts between start and commit at once
+    max_pin_ttl_ms: int = 86_400_000  # longest soft pin (one day); renew to keep longer
+    # most bytes one namespace may hold in this tier (0 = no quota): a put past it evicts
+    # that namespace's own least recently used blocks first, never another namespace's
+    namespace_quota_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.slab_bytes <= 0:
@@ -37,7 +41,16 @@ class StoreConfig:
             raise InvalidArgument(
                 f"watermarks must satisfy 0 < low ({self.low_watermark}) <= high ({self.high_watermark}) <= 1"
             )
-        for name in ("lease_ttl_ms", "put_ttl_ms", "max_batch_blocks", "max_leases", "max_pending_puts"):
+        if self.namespace_quota_bytes < 0:
+            raise InvalidArgument("namespace_quota_bytes must be >= 0 (0 = no quota)")
+        for name in (
+            "lease_ttl_ms",
+            "put_ttl_ms",
+            "max_batch_blocks",
+            "max_leases",
+            "max_pending_puts",
+            "max_pin_ttl_ms",
+        ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive")
 
@@ -134,6 +147,11 @@ class DaemonConfig:
     sweep_interval_ms: int = 500
     log_level: str = "INFO"
     cluster: ClusterConfig = ClusterConfig()
+    # all-namespace views (Snapshot/Events with all_namespaces, the Stats namespace list):
+    # "loopback" = served only when ``listen`` is a loopback address; "on"; "off"
+    admin_views: str = "loopback"
+    max_namespaces: int = 4096  # namespaces registered at once; blockless idle ones are retired first
+    namespace_idle_ms: int = 600_000  # a namespace with no blocks and no call for this long is retired
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -141,3 +159,16 @@ class DaemonConfig:
             raise InvalidArgument(f"listen address {self.listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:7450")
         if self.grpc_workers <= 0 or self.sweep_interval_ms <= 0:
             raise InvalidArgument("grpc_workers and sweep_interval_ms must be positive")
+        if self.admin_views not in ("loopback", "on", "off"):
+            raise InvalidArgument(f"admin_views {self.admin_views!r} is not 'loopback', 'on' or 'off'")
+        if self.max_namespaces <= 0 or self.namespace_idle_ms <= 0:
+            raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
+
+    @property
+    def admin_enabled(self) -> bool:
+        """Whether this listener serves admin views. Until credentials exist (docs/security.md)
+        the loopback default serves them to every local caller that asks explicitly."""
+        if self.admin_views != "loopback":
+            return self.admin_views == "on"
+        host = self.listen.rpartition(":")[0].strip("[]")
+        return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

@@ -26,6 +26,7 @@ class ErrorCode(enum.Enum):
     VERSION_MISMATCH = ("VERSION_MISMATCH", 9)  # scheme or protocol version differs
     NOT_LEADER = ("NOT_LEADER", 9)  # talk to the leader instead
     UNSUPPORTED_MODEL = ("UNSUPPORTED_MODEL", 12)  # UNIMPLEMENTED: the pool cannot hold this model's KV exactly
+    PERMISSION_DENIED = ("PERMISSION_DENIED", 7)  # an admin view this listener does not serve
     STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
     INTERNAL = ("INTERNAL", 13)
 
@@ -121,6 +122,10 @@ class NotLeader(KVPoolError):
     code = ErrorCode.NOT_LEADER
 
 
+class PermissionDenied(KVPoolError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
 class StorageFault(KVPoolError):
     code = ErrorCode.STORAGE_FAULT
 
@@ -144,6 +149,7 @@ _BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
         DeadlineExceeded,
         VersionMismatch,
         NotLeader,
+        PermissionDenied,
         StorageFault,
         InternalError,
     )

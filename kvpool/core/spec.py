@@ -44,6 +44,11 @@ KINDS = ("mha", "mla")  # "mha" covers MHA and GQA (separate K and V); "mla" is 
 
 SPEC_ENCODING_VERSION = "kvpool-spec-v1"
 
+#: longest model name / revision, in UTF-8 bytes: a spec is kept per namespace for the
+#: daemon's life, so a client must not be able to make one arbitrarily large
+MAX_MODEL_NAME_BYTES = 256
+MAX_REVISION_BYTES = 256
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -67,6 +72,14 @@ class KVSpec:
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidArgument("KVSpec.model is empty", hint="name the model, e.g. 'llama-3-8b'")
+        for name, limit in (("model", MAX_MODEL_NAME_BYTES), ("revision", MAX_REVISION_BYTES)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value.encode()) > limit:
+                size = len(value.encode()) if isinstance(value, str) else "?"
+                raise InvalidArgument(
+                    f"KVSpec.{name} is {size} bytes; the limit is {limit} bytes",
+                    hint=f"use a shorter {name} (a fingerprint, not the model's full description)",
+                )
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -22,7 +22,8 @@ import numpy as np
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
-from kvpool.core.hashing import HASH_SCHEME, pack_hashes
+from kvpool.core.hashing import HASH_SCHEME
+from kvpool.core.keys import block_keys
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.directory.etcd import EtcdClient, Membership
@@ -51,16 +52,10 @@ class NodeBlockStore:
         return self._node.namespace(namespace).spec.block_bytes
 
     def lease(self, namespace: bytes, keys: Sequence[bytes]) -> LeasedBlocks:
-        """Lease the leading keys that exist *in this namespace*: a peer that learned another
-        tenant's block hash (from KV events, say) still cannot read that tenant's bytes."""
-        store = self._node.store
-        n = 0
-        for key in keys:
-            entry = store.entry(key)
-            if entry is None or entry.namespace != namespace:
-                break
-            n += 1
-        grant = store.lease(keys[:n])
+        """Lease the leading blocks of ``keys`` (hashes) *in this namespace*: the store key is
+        namespace || hash, so a peer that learned another tenant's block hash (from KV
+        events, say) asks for a key that does not exist and reads nothing."""
+        grant = self._node.store.lease(block_keys(namespace, keys))
         return LeasedBlocks(grant.lease_id, [(loc.offset, loc.size, loc.checksum) for loc in grant.locations])
 
     def release(self, lease_id: int) -> None:
@@ -70,7 +65,8 @@ class NodeBlockStore:
             log.warning("data plane: lease %d expired while its bytes were being sent", lease_id)
 
     def put_start(self, namespace: bytes, keys: Sequence[bytes]) -> PutSlots:
-        grant = self._node.store.put_start(namespace, keys, self.block_bytes(namespace))
+        info = self._node.namespace(namespace)
+        grant = self._node.store.put_start(info.digest, block_keys(info.digest, keys), info.spec.block_bytes)
         return PutSlots(grant.put_id, list(grant.slots), len(grant.already_present), len(grant.in_flight))
 
     def put_commit(self, put_id: int, checksums: Sequence[int]) -> tuple[int, int]:
@@ -180,7 +176,7 @@ class ClusterAgent:
             namespaces=namespaces,
             incarnation=self.incarnation,
             last_seq=last_seq,
-            hashes=pack_hashes(keys),
+            keys=b"".join(keys),  # namespace digest || hash, 32 bytes each
             tiers=bytes(TIER_CODES[self.node.store.tier_of(key) or "host"] for key in keys),
         )
         self.link.call("Register", request)

@@ -182,6 +182,34 @@ OPTIONS: list[Option] = [
     ),
     Option("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR. Default INFO."),
     Option(
+        "--namespace-quota-bytes",
+        "store.namespace_quota_bytes",
+        parse_bytes,
+        "most host-tier bytes one namespace may hold, e.g. 1GiB; a put past it evicts that "
+        "namespace's own least recently used blocks first. Default 0 (no quota).",
+    ),
+    Option(
+        "--admin-views",
+        "admin_views",
+        str,
+        "all-namespace views (Snapshot/Events of every tenant, the Stats namespace list): "
+        "'loopback' (served only on a loopback --listen), 'on' or 'off'. Default loopback. "
+        "See docs/security.md.",
+    ),
+    Option(
+        "--max-namespaces",
+        "max_namespaces",
+        int,
+        "namespaces registered at once; when full, namespaces without blocks are retired, "
+        "least recently used first. Default 4096.",
+    ),
+    Option(
+        "--namespace-idle-ms",
+        "namespace_idle_ms",
+        int,
+        "a namespace with no stored block and no call for this long is retired. Default 600000.",
+    ),
+    Option(
         "--directory",
         "cluster.directory",
         str,

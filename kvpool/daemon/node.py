@@ -1,26 +1,47 @@
 """A pool node: the shared-memory arena, its store, the namespaces it knows and its
-event log. The gRPC service is a thin layer over this object."""
+event log. The gRPC service is a thin layer over this object.
+
+Tenancy (docs/security.md): the store is keyed by ``namespace digest || hash``
+(``kvpool.core.keys``), so every call reaches only its own namespace's blocks; this object
+turns the store's keys back into per-namespace events. The namespace table is bounded
+(``max_namespaces``): when it is full, or during the periodic sweep, namespaces that hold
+no block and saw no call for ``namespace_idle_ms`` are retired (under pressure, blockless
+ones are retired least recently used first even before that). A retired namespace's
+client gets UnknownNamespace on its next call and registers again (PoolClient does).
+"""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 
 from kvpool.core.clock import Clock
 from kvpool.core.config import DaemonConfig
-from kvpool.core.errors import InvalidArgument, SpecMismatch, UnknownNamespace, VersionMismatch
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, SpecMismatch, UnknownNamespace, VersionMismatch
 from kvpool.core.events import EventKind
 from kvpool.core.hashing import HASH_SCHEME
+from kvpool.core.keys import NAMESPACE_BYTES, group_by_namespace, key_namespace
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.event_log import EventLog
+from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.allocator import check_block_fits
 from kvpool.storage.arena import SharedArena
 from kvpool.storage.node_store import build_node_store
 
 log = logging.getLogger("kvpool.node")
 
-MAX_NAMESPACES = 4096
+#: how often the sweeper looks for idle namespaces (a scan of the store's keys)
+NAMESPACE_RETIRE_INTERVAL_MS = 30_000
+#: at most one "namespace registered" log line per this many seconds
+REGISTER_LOG_INTERVAL_S = 10.0
+
+
+def capability_id() -> int:
+    """A random 63-bit lease / put id: whoever holds it may release / commit / abort, and
+    no other caller can guess it (a counter would let tenant B end tenant A's leases)."""
+    return secrets.randbits(63)
 
 
 @dataclass(frozen=True)
@@ -32,19 +53,29 @@ class NamespaceInfo:
 class PoolNode:
     def __init__(self, config: DaemonConfig, clock: Clock) -> None:
         self.config = config
+        self._clock = clock
         self.node_id = config.node_id or config.listen
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
         self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
+        self._last_used_ms: dict[bytes, float] = {}  # namespace -> last call that named it
         self._ns_lock = threading.Lock()
-        self.store = build_node_store(config, self.arena.view, clock, self._on_event)
+        self._next_retire_ms = clock.now_ms() + NAMESPACE_RETIRE_INTERVAL_MS
+        self.namespaces_retired = 0
+        # a flood of Hellos must not flood the log: one line per interval, with a count
+        self._registered_log = RateLimitedLog(log, REGISTER_LOG_INTERVAL_S, level=logging.INFO)
+        self.store = build_node_store(config, self.arena.view, clock, self._on_event, capability_id)
         log.info("node %s: arena %s (%d bytes)", self.node_id, self.arena.path, self.arena.capacity_bytes)
 
-    def _on_event(self, kind: EventKind, hashes: list[bytes], namespace: bytes, tier: str = "host", /) -> None:
-        info = self._namespaces.get(namespace)
-        self.events.append(kind, hashes, namespace, info.spec.block_tokens if info else 0, tier=tier)
+    def _on_event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", /) -> None:
+        """The store's events name block keys; subscribers get one event per namespace with
+        its 16-byte hashes (each key carries its namespace, even where a lower tier reports
+        a removal without one)."""
+        for ns, hashes in group_by_namespace(keys).items():
+            info = self._namespaces.get(ns)
+            self.events.append(kind, hashes, ns, info.spec.block_tokens if info else 0, tier=tier)
 
     def register(self, hash_scheme: str, spec: KVSpec, namespace: bytes, spec_digest: bytes) -> NamespaceInfo:
         if hash_scheme != HASH_SCHEME:
@@ -52,8 +83,8 @@ class PoolNode:
                 f"client hashes with scheme {hash_scheme!r}, this node with {HASH_SCHEME!r}",
                 hint="upgrade the client and the daemon to the same kvpool version",
             )
-        if len(namespace) != 16:
-            raise InvalidArgument(f"namespace digest must be 16 bytes, got {len(namespace)}")
+        if len(namespace) != NAMESPACE_BYTES:
+            raise InvalidArgument(f"namespace digest must be {NAMESPACE_BYTES} bytes, got {len(namespace)}")
         if spec.digest() != spec_digest:
             raise SpecMismatch(
                 "the spec digest the client sent does not match its spec's canonical encoding",
@@ -67,22 +98,71 @@ class PoolNode:
             known = self._namespaces.get(namespace)
             if known is not None:
                 known.spec.require_same(spec, "client")
+                self._last_used_ms[namespace] = self._clock.now_ms()
                 return known
-            if len(self._namespaces) >= MAX_NAMESPACES:
-                raise InvalidArgument(f"this node already serves {MAX_NAMESPACES} namespaces")
+        limit = self.config.max_namespaces
+        if len(self._namespaces) >= limit:
+            self.retire_idle(under_pressure=True)
+        with self._ns_lock:
+            known = self._namespaces.get(namespace)
+            if known is not None:  # registered by a racing Hello meanwhile
+                known.spec.require_same(spec, "client")
+                return known
+            if len(self._namespaces) >= limit:
+                raise CapacityExhausted(
+                    f"this node serves {limit} namespaces and every one holds blocks",
+                    hint="raise --max-namespaces, or remove the blocks of namespaces no longer used",
+                )
             info = NamespaceInfo(namespace, spec)
             self._namespaces[namespace] = info
-            log.info("namespace %s registered: %s", namespace.hex(), spec.describe())
+            self._last_used_ms[namespace] = self._clock.now_ms()
+            self._registered_log.emit("register", f"namespace {namespace.hex()} registered: {spec.describe()}")
             return info
 
     def namespace(self, digest: bytes) -> NamespaceInfo:
+        """The registered namespace a call names (and mark it used), or UnknownNamespace."""
         info = self._namespaces.get(digest)
         if info is None:
             raise UnknownNamespace(
-                f"namespace {digest.hex() or '(empty)'} is not registered on node {self.node_id}",
-                hint="call Hello first (PoolClient.connect does); the daemon may have restarted",
+                f"namespace {digest.hex()[:64] or '(empty)'} is not registered on node {self.node_id}",
+                hint="call Hello first (PoolClient.connect does); the daemon may have restarted "
+                "or retired the namespace after it was idle",
             )
+        self._last_used_ms[digest] = self._clock.now_ms()
         return info
+
+    def retire_idle(self, under_pressure: bool = False) -> int:
+        """Retire namespaces that hold no block: those idle for ``namespace_idle_ms``, and,
+        ``under_pressure`` (the table is full), the least recently used others down to 3/4 of
+        the table. One scan of the store's keys. Returns how many were retired."""
+        with_blocks = {key_namespace(k) for k in self.store.snapshot_keys()}
+        now = self._clock.now_ms()
+        idle_ms = self.config.namespace_idle_ms
+        with self._ns_lock:
+            blockless = sorted(
+                (ns for ns in self._namespaces if ns not in with_blocks), key=lambda ns: self._last_used_ms.get(ns, 0.0)
+            )
+            retire = [ns for ns in blockless if now - self._last_used_ms.get(ns, 0.0) >= idle_ms]
+            if under_pressure:
+                excess = len(self._namespaces) - len(retire) - self.config.max_namespaces * 3 // 4
+                idle = set(retire)
+                rest = [ns for ns in blockless if ns not in idle]
+                retire.extend(rest[: max(0, excess)])
+            for ns in retire:
+                del self._namespaces[ns]
+                self._last_used_ms.pop(ns, None)
+            self.namespaces_retired += len(retire)
+        if retire:
+            log.info("retired %d namespaces without blocks (%d left)", len(retire), len(self._namespaces))
+        return len(retire)
+
+    def sweep(self) -> None:
+        """The sweeper's tick: the store's leases and puts, and now and then idle namespaces."""
+        self.store.sweep()
+        now = self._clock.now_ms()
+        if now >= self._next_retire_ms:
+            self._next_retire_ms = now + NAMESPACE_RETIRE_INTERVAL_MS
+            self.retire_idle()
 
     def namespaces(self) -> list[NamespaceInfo]:
         with self._ns_lock:

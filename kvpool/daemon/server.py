@@ -19,10 +19,11 @@ from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import Unavailable
 from kvpool.daemon.node import PoolNode
-from kvpool.daemon.service import PoolService
+from kvpool.daemon.service import PoolService, max_request_bytes
 from kvpool.daemon.supervisor import Supervisor
-from kvpool.proto import pool_pb2_grpc
+from kvpool.proto import pool_pb2
 from kvpool.rpc.codec import server_options
+from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.server")
 
@@ -41,7 +42,8 @@ class PoolServer:
             options=server_options(config.max_message_bytes),
         )
         service = PoolService(self.node, max_event_subscribers=max(1, config.grpc_workers // 2))
-        pool_pb2_grpc.add_PoolServicer_to_server(service, self._server)
+        limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
+        add_typed_service(self._server, service, pool_pb2, "Pool", limit)
         self._stopped = threading.Event()
         self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
 
@@ -60,7 +62,7 @@ class PoolServer:
                 f"cannot listen on {self.config.listen}: {reason}", hint="pick a free port with --listen 127.0.0.1:PORT"
             )
         self._server.start()
-        self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.store.sweep)
+        self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_node import ClusterAgent  # cluster mode only
 

@@ -1,8 +1,18 @@
 """The Pool gRPC service: decode a request, call the node, encode the reply.
 
 Every handler is wrapped by ``typed_handler``: a KVPoolError becomes its status code
-with a hint; any other exception is logged and answered INTERNAL, and the daemon goes
-on serving. Nothing here touches block bytes except the store's commit-time check.
+with a hint; any other exception is logged (rate-limited) and answered INTERNAL, and the
+daemon goes on serving. Requests reach the handlers through ``add_typed_service``, so an
+undecodable or oversized message is InvalidArgument too. Nothing here touches block bytes
+except the store's commit-time check.
+
+Tenancy: every hash a request names becomes the block key ``namespace || hash`` of the
+request's registered namespace (``kvpool.core.keys``) before it reaches the store, so no
+call can read, detect, pin, remove or overwrite another namespace's block. Snapshot and
+Events are scoped to the request's namespace; their all-namespace forms and the Stats
+namespace list are admin views, served only where ``DaemonConfig.admin_enabled``
+(docs/security.md). Every list a request carries is bounded (``MAX_*`` below and the
+store's ``max_batch_blocks``).
 """
 
 from __future__ import annotations
@@ -15,14 +25,30 @@ from typing import Any
 
 import grpc
 
-from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired
-from kvpool.core.hashing import HASH_SCHEME, pack_hashes, unpack_hashes
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
+from kvpool.core.hashing import HASH_SCHEME, pack_hashes
+from kvpool.core.keys import BlockKeys, hashes_of, key_hash
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.codec import PROTOCOL_VERSION, event_to_msg, spec_from_msg
 from kvpool.rpc.errors import abort_with, typed_handler
 
 log = logging.getLogger("kvpool.service")
+
+#: lease ids one call may release (piggybacked or in Release); the client sends <= 256
+MAX_RELEASE_IDS_PER_CALL = 4096
+#: namespaces listed per Stats reply (admin view; page with namespaces_after)
+MAX_STATS_NAMESPACES = 256
+#: longest hash_scheme / protocol_version string a Hello may carry, in bytes
+MAX_VERSION_STRING_BYTES = 64
+#: fixed room in a request besides its hashes / ids / checksums (namespace, flags, framing)
+REQUEST_OVERHEAD_BYTES = 64 << 10
+
+
+def max_request_bytes(max_batch_blocks: int) -> int:
+    """Largest request the service decodes: a full batch of hashes or commit checksums
+    (<= 10 bytes each on the wire) plus a full list of release ids (<= 11 bytes each)."""
+    return 16 * max_batch_blocks + 11 * MAX_RELEASE_IDS_PER_CALL + REQUEST_OVERHEAD_BYTES
 
 
 class PoolService(pool_pb2_grpc.PoolServicer):
@@ -31,23 +57,52 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
         self.max_event_subscribers = max_event_subscribers
+        self.admin_enabled = node.config.admin_enabled
 
     # helpers
-    def _keys(self, request: Any) -> tuple[NamespaceInfo, list[bytes]]:
-        """The request's registered namespace (UnknownNamespace if not) and its block hashes."""
-        return self.node.namespace(request.namespace), unpack_hashes(request.hashes)
+    def _keys(self, request: Any) -> tuple[NamespaceInfo, BlockKeys]:
+        """The request's registered namespace (UnknownNamespace if not) and the block keys
+        of its hashes in that namespace."""
+        info = self.node.namespace(request.namespace)
+        keys = BlockKeys(info.digest, request.hashes)  # built lazily: a lookup stops at its first miss
+        if len(keys) > self.node.config.store.max_batch_blocks:
+            raise InvalidArgument(
+                f"{len(keys)} blocks in one call; the limit is {self.node.config.store.max_batch_blocks}",
+                hint="split the batch",
+            )
+        return info, keys
 
     def _release(self, lease_ids: Any) -> int:
-        expired = 0
-        for lease_id in lease_ids:
-            try:
-                self.node.store.release(lease_id)
-            except LeaseExpired:
-                expired += 1
-        return expired
+        if len(lease_ids) > MAX_RELEASE_IDS_PER_CALL:
+            raise InvalidArgument(
+                f"{len(lease_ids)} lease ids in one call; the limit is {MAX_RELEASE_IDS_PER_CALL}",
+                hint="release in smaller batches",
+            )
+        return self.node.store.release_many(lease_ids) if lease_ids else 0
+
+    def _require_admin(self, what: str) -> None:
+        if not self.admin_enabled:
+            raise PermissionDenied(
+                f"{what} is an admin view and this daemon does not serve admin views on {self.node.config.listen}",
+                hint="ask for your own namespace, or run the daemon with --admin-views on (see docs/security.md)",
+            )
+
+    def _scope(self, request: Any, what: str) -> bytes | None:
+        """The namespace a Snapshot / Events request is scoped to, or None for the admin view."""
+        if request.all_namespaces:
+            self._require_admin(f"{what} of every namespace")
+            return None
+        if not request.namespace:
+            raise InvalidArgument(
+                f"{what} names no namespace", hint="send your namespace digest, or all_namespaces (admin)"
+            )
+        return self.node.namespace(request.namespace).digest
 
     @typed_handler
     def Hello(self, request: pool_pb2.HelloRequest, context: grpc.ServicerContext) -> pool_pb2.HelloReply:
+        for name in ("hash_scheme", "protocol_version"):
+            if len(getattr(request, name).encode()) > MAX_VERSION_STRING_BYTES:
+                raise InvalidArgument(f"Hello.{name} is longer than {MAX_VERSION_STRING_BYTES} bytes")
         if request.protocol_version != PROTOCOL_VERSION:
             raise InvalidArgument(
                 f"protocol {request.protocol_version!r} is not {PROTOCOL_VERSION!r}",
@@ -94,7 +149,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
     def PutStart(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.PutStartReply:
         info, keys = self._keys(request)
         self._release(request.release_lease_ids)
-        grant = self.node.store.put_start(request.namespace, keys, info.spec.block_bytes)
+        grant = self.node.store.put_start(info.digest, keys, info.spec.block_bytes)
         return pool_pb2.PutStartReply(
             put_id=grant.put_id,
             indices=[i for i, _ in grant.slots],
@@ -123,6 +178,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
     @typed_handler
     def Remove(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.RemoveReply:
         _, keys = self._keys(request)
+        self._release(request.release_lease_ids)  # a client's pending releases ride on any call
         return pool_pb2.RemoveReply(removed=self.node.store.remove(keys))
 
     @typed_handler
@@ -142,13 +198,43 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_path"] = self.node.arena.path
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
-        summary["namespaces"] = [
-            {"digest": ns.digest.hex(), "spec": ns.spec.describe(), "block_bytes": ns.spec.block_bytes}
-            for ns in self.node.namespaces()
-        ]
+        summary.update(self._namespace_stats(request))
         return pool_pb2.StatsReply(json=json.dumps(summary, sort_keys=True))
 
+    def _namespace_stats(self, request: pool_pb2.StatsRequest) -> dict[str, Any]:
+        """The bounded namespace part of Stats: counts for everyone; the list of namespaces
+        (paged, ``MAX_STATS_NAMESPACES`` at most) only as an admin view, else only the
+        caller's own entry."""
+        every = sorted(self.node.namespaces(), key=lambda ns: ns.digest)
+        out: dict[str, Any] = {
+            "namespaces_total": len(every),
+            "namespaces_max": self.node.config.max_namespaces,
+            "namespaces_retired": self.node.namespaces_retired,
+        }
+        if self.admin_enabled:
+            limit = min(request.namespaces_limit or MAX_STATS_NAMESPACES, MAX_STATS_NAMESPACES)
+            after = bytes(request.namespaces_after)
+            shown = [ns for ns in every if ns.digest > after][:limit]
+            more = len(shown) == limit and shown[-1].digest != every[-1].digest
+            out["namespaces_next"] = shown[-1].digest.hex() if more else ""
+        else:
+            shown = [ns for ns in every if request.namespace and ns.digest == request.namespace]
+        out["namespaces"] = [
+            {
+                "digest": ns.digest.hex(),
+                "spec": ns.spec.describe(),
+                "block_bytes": ns.spec.block_bytes,
+                "used_bytes": self.node.store.namespace_bytes(ns.digest),
+            }
+            for ns in shown
+        ]
+        return out
+
     def Events(self, request: pool_pb2.EventsRequest, context: grpc.ServicerContext) -> Iterator[pool_pb2.Event]:
+        try:
+            scope = self._scope(request, "the event stream")
+        except KVPoolError as err:  # UnknownNamespace, PermissionDenied, InvalidArgument
+            abort_with(context, err)
         if not self._subscriber_slots.acquire(blocking=False):
             abort_with(
                 context,
@@ -158,16 +244,18 @@ class PoolService(pool_pb2_grpc.PoolServicer):
                 ),
             )
         try:
-            for event in self.node.events.follow(int(request.from_seq), context.is_active):
+            for event in self.node.events.follow(int(request.from_seq), context.is_active, namespace=scope):
                 yield event_to_msg(event)
         finally:
             self._subscriber_slots.release()
 
     @typed_handler
     def Snapshot(self, request: pool_pb2.SnapshotRequest, context: grpc.ServicerContext) -> pool_pb2.SnapshotReply:
-        last_seq = self.node.events.last_seq  # read first: events after it are replayed on top
-        keys = self.node.store.snapshot_keys()
-        if request.namespace:
-            self.node.namespace(request.namespace)
-            keys = [k for k in keys if (e := self.node.store.entry(k)) is not None and e.namespace == request.namespace]
-        return pool_pb2.SnapshotReply(node_id=self.node.node_id, last_seq=last_seq, hashes=pack_hashes(keys))
+        scope = self._scope(request, "a snapshot")
+        if scope is None:
+            last_seq = self.node.events.last_seq  # read first: events after it are replayed on top
+            hashes = [key_hash(k) for k in self.node.store.snapshot_keys()]
+        else:
+            last_seq = self.node.events.last_seq_of(scope)
+            hashes = hashes_of([k for k in self.node.store.snapshot_keys() if k.startswith(scope)])
+        return pool_pb2.SnapshotReply(node_id=self.node.node_id, last_seq=last_seq, hashes=pack_hashes(hashes))

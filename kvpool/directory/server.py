@@ -22,8 +22,9 @@ from kvpool.daemon.supervisor import Supervisor
 from kvpool.directory.etcd import EtcdClient, LeaderElection, live_nodes
 from kvpool.directory.service import DirectoryService
 from kvpool.directory.state import DirectoryDB, DirectoryState
-from kvpool.proto import directory_pb2_grpc
+from kvpool.proto import directory_pb2
 from kvpool.rpc.codec import server_options
+from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.directory.server")
 
@@ -67,7 +68,8 @@ class DirectoryServer:
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
             options=server_options(config.max_message_bytes),
         )
-        directory_pb2_grpc.add_DirectoryServicer_to_server(self.service, self._server)
+        # a node's Register carries every block key it holds: the only bound is the message size
+        add_typed_service(self._server, self.service, directory_pb2, "Directory", config.max_message_bytes)
         self._stopped = threading.Event()
 
     def is_leader(self) -> bool:

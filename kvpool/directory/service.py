@@ -3,6 +3,10 @@
 Only the leader answers (except ``Leader``, which every instance answers); a standby
 raises NOT_LEADER naming the leader, and ``DirectoryLink`` redirects. Removes and pins
 are forwarded to the holder nodes over their Pool control service.
+
+Every hash a request names becomes the block key ``namespace || hash`` before it reaches
+``DirectoryState`` (nodes register their 32-byte keys as they are), so a Lookup, Remove
+or Pin sent with tenant B's namespace can never see, drop or pin tenant A's holders.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import grpc
 
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotLeader
 from kvpool.core.hashing import pack_hashes, unpack_hashes
+from kvpool.core.keys import BLOCK_KEY_BYTES, block_keys, check_namespace, group_by_namespace
 from kvpool.directory.state import DirectoryState, EventIn, NodeRecord
 from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
 from kvpool.rpc.codec import channel_options
@@ -25,6 +30,17 @@ from kvpool.rpc.errors import from_rpc_error, typed_handler
 log = logging.getLogger("kvpool.directory.service")
 
 FORWARD_TIMEOUT_S = 5.0
+#: most hashes one Lookup / Remove / Pin or one heartbeat event may name (a 4M-token prompt
+#: at 16 tokens per block); the whole message is bounded by --max-message-bytes too
+MAX_BATCH_BLOCKS = 262_144
+
+
+def bounded_hashes(packed: bytes, what: str) -> list[bytes]:
+    """The hashes of a request field, or InvalidArgument past ``MAX_BATCH_BLOCKS``."""
+    hashes = unpack_hashes(packed)
+    if len(hashes) > MAX_BATCH_BLOCKS:
+        raise InvalidArgument(f"{what} names {len(hashes)} blocks; the limit is {MAX_BATCH_BLOCKS}", hint="split it")
+    return hashes
 
 
 def node_to_msg(node: NodeRecord) -> directory_pb2.NodeInfo:
@@ -71,8 +87,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 self._stubs[address] = stub
             return stub
 
-    def forward(self, groups: dict[str, list[bytes]], namespace: bytes, call: str, **fields: Any) -> int:
-        """Send a Remove / Pin for each node's keys to that node; returns the sum of changes."""
+    def forward(self, groups: dict[str, list[bytes]], call: str, **fields: Any) -> int:
+        """Send a Remove / Pin for each node's block keys to that node, one call per
+        namespace the keys name; returns the sum of changes."""
         changed = 0
         for node_id, keys in groups.items():
             node = self.state.node(node_id)
@@ -80,17 +97,23 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 continue
             stub = self._node_stub(node.control_address)
             try:
-                if call == "Remove":
-                    req = pool_pb2.HashesRequest(namespace=namespace, hashes=pack_hashes(keys))
-                    changed += stub.Remove(req, timeout=FORWARD_TIMEOUT_S).removed
-                else:
-                    req2 = pool_pb2.PinRequest(namespace=namespace, hashes=pack_hashes(keys), **fields)
-                    changed += stub.Pin(req2, timeout=FORWARD_TIMEOUT_S).changed
+                for namespace, hashes in group_by_namespace(keys).items():
+                    if call == "Remove":
+                        req = pool_pb2.HashesRequest(namespace=namespace, hashes=pack_hashes(hashes))
+                        changed += stub.Remove(req, timeout=FORWARD_TIMEOUT_S).removed
+                    else:
+                        req2 = pool_pb2.PinRequest(namespace=namespace, hashes=pack_hashes(hashes), **fields)
+                        changed += stub.Pin(req2, timeout=FORWARD_TIMEOUT_S).changed
             except grpc.RpcError as exc:
                 log.warning(
                     "directory: %s on node %s failed: %s", call, node_id, from_rpc_error(exc, node.control_address)
                 )
         return changed
+
+    @staticmethod
+    def _event_keys(event: directory_pb2.BlockEvent) -> list[bytes]:
+        hashes = bounded_hashes(event.hashes, "a heartbeat event")
+        return block_keys(event.namespace, hashes) if hashes else []
 
     @staticmethod
     def _namespaces(msgs: Any) -> list[tuple[bytes, bytes, str]]:
@@ -113,19 +136,18 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             incarnation=request.incarnation,
             last_seq=request.last_seq,
         )
+        if len(request.keys) % BLOCK_KEY_BYTES:
+            raise InvalidArgument(f"Register.keys is {len(request.keys)} bytes, not a multiple of {BLOCK_KEY_BYTES}")
+        keys = [request.keys[i : i + BLOCK_KEY_BYTES] for i in range(0, len(request.keys), BLOCK_KEY_BYTES)]
         epoch = self.state.register(
-            record,
-            request.hash_scheme,
-            self._namespaces(request.namespaces),
-            unpack_hashes(request.hashes),
-            request.tiers,
+            record, request.hash_scheme, self._namespaces(request.namespaces), keys, request.tiers
         )
         return directory_pb2.RegisterReply(epoch=epoch, leader=self._leader())
 
     @typed_handler
     def Heartbeat(self, request: directory_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
-        events = [EventIn(e.seq, e.kind, unpack_hashes(e.hashes), e.tier or "host") for e in request.events]
+        events = [EventIn(e.seq, e.kind, self._event_keys(e), e.tier or "host") for e in request.events]
         resync, acked = self.state.heartbeat(
             request.node_id,
             request.incarnation,
@@ -139,7 +161,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @typed_handler
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
-        result = self.state.lookup(unpack_hashes(request.hashes), request.client_node, int(request.lease_ms))
+        keys = block_keys(request.namespace, bounded_hashes(request.hashes, "Lookup"))
+        result = self.state.lookup(keys, request.client_node, int(request.lease_ms))
         return directory_pb2.LookupReply(
             hits=result.hits,
             nodes=[node_to_msg(n) for n in result.nodes],
@@ -163,17 +186,16 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @typed_handler
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
-        groups, deferred = self.state.remove(unpack_hashes(request.hashes), request.namespace)
-        removed = self.forward(groups, request.namespace, "Remove")
+        namespace = check_namespace(request.namespace)
+        groups, deferred = self.state.remove(block_keys(namespace, bounded_hashes(request.hashes, "Remove")), namespace)
+        removed = self.forward(groups, "Remove")
         return directory_pb2.RemoveReply(removed=removed, deferred=deferred)
 
     @typed_handler
     def Pin(self, request: directory_pb2.PinRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
-        groups = self.state.holders_by_node(unpack_hashes(request.hashes))
-        changed = self.forward(
-            groups, request.namespace, "Pin", hard=request.hard, ttl_ms=request.ttl_ms, unpin=request.unpin
-        )
+        groups = self.state.holders_by_node(block_keys(request.namespace, bounded_hashes(request.hashes, "Pin")))
+        changed = self.forward(groups, "Pin", hard=request.hard, ttl_ms=request.ttl_ms, unpin=request.unpin)
         return directory_pb2.PinReply(changed=changed)
 
     @typed_handler
@@ -196,8 +218,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     def flush_removes(self) -> None:
         """Forward removes that waited for a directory lease to end."""
-        for namespace, groups in self.state.take_due_removes().items():
+        for groups in self.state.take_due_removes().values():
             try:
-                self.forward(groups, namespace, "Remove")
+                self.forward(groups, "Remove")
             except KVPoolError as err:
                 log.warning("directory: deferred remove failed: %s", err)

@@ -9,6 +9,10 @@ restarted, or an event was dropped) and it asks the node to resync with a new sn
 Durable state goes through ``DirectoryDB`` (RocksDB) when one is given: a restarted
 directory loads the registry and every node's last known blocks and answers lookups at
 once; nodes that do not come back within ``node_ttl_ms`` are dropped.
+
+Keys are opaque block keys; the service passes ``namespace digest || hash``
+(``kvpool.core.keys``), so a lookup, remove or pin of one namespace can never see or drop
+another namespace's holders, whatever hashes it names.
 """
 
 from __future__ import annotations
@@ -16,16 +20,15 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import struct
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpool.core.clock import Clock
-from kvpool.core.errors import InvalidArgument, NotFound, SpecMismatch, VersionMismatch
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, NotFound, SpecMismatch, VersionMismatch
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.spec import KVSpec
+from kvpool.directory.db import DirectoryDB
 
 log = logging.getLogger("kvpool.directory")
 
@@ -33,6 +36,9 @@ TIER_CODES = {"device": 2, "host": 0, "disk": 1}
 #: lower is better for reading: host DRAM first, then device, then disk
 TIER_RANK = {0: 0, 2: 1, 1: 2}
 MAX_HOLDERS_IN_REPLY = 64
+#: namespaces the directory remembers (16 nodes' worth of --max-namespaces); when full, the
+#: ones no holder's key names any more are forgotten first
+MAX_NAMESPACES = 65_536
 
 
 @dataclass
@@ -54,7 +60,7 @@ class NodeRecord:
     # not offered and its next heartbeat gets ``resync`` whatever its seq
     resync_needed: bool = False
     slot: int = 0
-    keys: dict[bytes, int] = field(default_factory=dict)  # block hash -> tier code
+    keys: dict[bytes, int] = field(default_factory=dict)  # block key -> tier code
 
     def public(self) -> dict[str, object]:
         return {
@@ -80,7 +86,7 @@ class NodeRecord:
 class EventIn:
     seq: int
     kind: str  # "stored" | "removed" | "cleared"
-    hashes: Sequence[bytes]
+    hashes: Sequence[bytes]  # block keys (the service builds them from namespace + hashes)
     tier: str = "host"
 
 
@@ -116,11 +122,11 @@ class DirectoryState:
         self._lock = threading.RLock()
         self._nodes: dict[str, NodeRecord] = {}
         self._by_slot: dict[int, NodeRecord] = {}
-        self._holders: dict[bytes, dict[int, int]] = {}  # hash -> {node slot: tier code}
+        self._holders: dict[bytes, dict[int, int]] = {}  # block key -> {node slot: tier code}
         self._namespaces: dict[bytes, bytes] = {}  # namespace digest -> spec digest
         self._leases: dict[int, _Lease] = {}
         self._leased_count: dict[bytes, int] = {}
-        self._deferred_removes: dict[bytes, bytes] = {}  # hash -> namespace
+        self._deferred_removes: dict[bytes, bytes] = {}  # block key -> namespace
         self._slots = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._dirty: set[str] = set()
@@ -217,6 +223,20 @@ class DirectoryState:
                 hint="every node of a cluster must use the same model revision, layout, dtype and block size",
             )
 
+    def _learn_namespace(self, namespace: bytes, spec_digest: bytes) -> None:
+        """Remember a namespace's spec digest, within ``MAX_NAMESPACES``: when full, forget
+        those no holder key (namespace || hash) names, then refuse (CapacityExhausted)."""
+        if namespace not in self._namespaces and len(self._namespaces) >= MAX_NAMESPACES:
+            used = {key[:16] for key in self._holders}
+            for unused in [ns for ns in self._namespaces if ns not in used]:
+                del self._namespaces[unused]
+            if len(self._namespaces) >= MAX_NAMESPACES:
+                raise CapacityExhausted(
+                    f"the directory knows {MAX_NAMESPACES} namespaces and every one has blocks",
+                    hint="remove the blocks of namespaces no longer used",
+                )
+        self._namespaces[namespace] = spec_digest
+
     def register(
         self,
         node: NodeRecord,
@@ -237,7 +257,7 @@ class DirectoryState:
             for ns, digest, spec_json in namespaces:
                 self.check_namespace(ns, digest, spec_json)
             for ns, digest, _ in namespaces:
-                self._namespaces[ns] = digest
+                self._learn_namespace(ns, digest)
             old = self._nodes.get(node.node_id)
             if old is not None:
                 self._drop_keys(old)
@@ -281,7 +301,7 @@ class DirectoryState:
                 return True, 0
             for ns, digest, spec_json in namespaces:
                 self.check_namespace(ns, digest, spec_json)
-                self._namespaces[ns] = digest
+                self._learn_namespace(ns, digest)
             node.last_heartbeat_ms = self._clock.now_ms()
             node.confirmed = True
             node.used_bytes = used_bytes
@@ -568,82 +588,3 @@ class DirectoryState:
                 "deferred_removes": len(self._deferred_removes),
                 **self.counters,
             }
-
-
-class DirectoryDB:
-    """RocksDB (rocksdict) under ``path``: node registry, each node's last known blocks,
-    namespaces and the epoch counter. Written by ``DirectoryState.flush``.
-
-    A node is two rows, ``node/<id>`` (JSON, with its last applied seq) and ``keys/<id>`` (its
-    blocks), written by two puts: a crash between them must not pair a new seq with an old
-    key list (the node's stream would then continue with no resync and the directory would
-    offer blocks the node removed). So every ``put_node`` stamps both rows with the same
-    write stamp, unique over the database's life (the open count and a per-open write
-    counter); ``nodes`` returns ``None`` as the key list of a node whose stamps differ, and
-    the directory drops that node's blocks and asks it to resync.
-    """
-
-    _KEYS_MAGIC = b"KVK1"
-    _STAMP_BYTES = 16
-
-    def __init__(self, path: str) -> None:
-        from rocksdict import Rdict
-
-        self.path = path
-        self._db: Any = Rdict(path)
-        self._open_no = self._bump(b"meta/opens")  # first part of every write stamp
-        self._writes = itertools.count(1)
-
-    def _bump(self, counter: bytes) -> int:
-        value = int(self._db.get(counter, b"0")) + 1
-        self._db[counter] = str(value).encode()
-        return value
-
-    def next_epoch(self) -> int:
-        return self._bump(b"meta/epoch")
-
-    def put_node(self, public: dict[str, object], keys: dict[bytes, int]) -> None:
-        node_id = str(public["node_id"]).encode()
-        stamp = struct.pack(">QQ", self._open_no, next(self._writes))
-        self._db[b"node/" + node_id] = json.dumps({**public, "keys_stamp": stamp.hex()}).encode()
-        self._db[b"keys/" + node_id] = self._KEYS_MAGIC + stamp + b"".join(keys) + bytes(keys.values())
-
-    def delete_node(self, node_id: str) -> None:
-        for prefix in (b"node/", b"keys/"):
-            try:
-                del self._db[prefix + node_id.encode()]
-            except KeyError:
-                pass
-
-    def put_namespaces(self, namespaces: dict[bytes, bytes]) -> None:
-        self._db[b"meta/namespaces"] = b"".join(ns + digest for ns, digest in namespaces.items())
-
-    def namespaces(self) -> list[tuple[bytes, bytes]]:
-        raw = self._db.get(b"meta/namespaces", b"")
-        return [(raw[i : i + 16], raw[i + 16 : i + 32]) for i in range(0, len(raw), 32)]
-
-    def nodes(self) -> list[tuple[NodeRecord, dict[bytes, int] | None]]:
-        """Every stored node with its blocks (hash -> tier code); ``None`` for the blocks of a
-        node whose key list is missing or does not carry its row's write stamp."""
-        out: list[tuple[NodeRecord, dict[bytes, int] | None]] = []
-        for key, value in self._db.items(from_key=b"node/"):
-            if not key.startswith(b"node/"):
-                break
-            public = json.loads(value)
-            record = NodeRecord(**{k: public[k] for k in public if k in NodeRecord.__dataclass_fields__})
-            out.append((record, self._keys(key[5:], str(public.get("keys_stamp", "")))))
-        return out
-
-    def _keys(self, node_id: bytes, stamp_hex: str) -> dict[bytes, int] | None:
-        raw = self._db.get(b"keys/" + node_id, b"")
-        head = len(self._KEYS_MAGIC) + self._STAMP_BYTES
-        if not raw.startswith(self._KEYS_MAGIC) or raw[len(self._KEYS_MAGIC) : head].hex() != stamp_hex:
-            return None  # torn write, or a row from before stamps: unknown
-        body = raw[head:]
-        if len(body) % 17:
-            return None
-        n = len(body) // 17
-        return {body[i * 16 : i * 16 + 16]: body[n * 16 + i] for i in range(n)}
-
-    def close(self) -> None:
-        self._db.close()

@@ -37,22 +37,22 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., control_address: _Optional[str] = ..., data_address: _Optional[str] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node", "hash_scheme", "namespaces", "incarnation", "last_seq", "hashes", "tiers")
+    __slots__ = ("node", "hash_scheme", "namespaces", "incarnation", "last_seq", "tiers", "keys")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
-    HASHES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     hash_scheme: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceSpec]
     incarnation: int
     last_seq: int
-    hashes: bytes
     tiers: bytes
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., hash_scheme: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceSpec, _Mapping]]] = ..., incarnation: _Optional[int] = ..., last_seq: _Optional[int] = ..., hashes: _Optional[bytes] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    keys: bytes
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., hash_scheme: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceSpec, _Mapping]]] = ..., incarnation: _Optional[int] = ..., last_seq: _Optional[int] = ..., tiers: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("epoch", "leader")

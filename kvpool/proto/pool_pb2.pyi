@@ -171,8 +171,14 @@ class PinReply(_message.Message):
     def __init__(self, changed: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("namespace", "namespaces_after", "namespaces_limit")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    namespaces_after: bytes
+    namespaces_limit: int
+    def __init__(self, namespace: _Optional[bytes] = ..., namespaces_after: _Optional[bytes] = ..., namespaces_limit: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("json",)
@@ -181,10 +187,14 @@ class StatsReply(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ("from_seq",)
+    __slots__ = ("from_seq", "namespace", "all_namespaces")
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     from_seq: int
-    def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
+    namespace: bytes
+    all_namespaces: bool
+    def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[bytes] = ..., all_namespaces: _Optional[bool] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("node_id", "seq", "kind", "hashes", "tier", "namespace", "block_tokens")
@@ -205,10 +215,12 @@ class Event(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[str] = ..., hashes: _Optional[bytes] = ..., tier: _Optional[str] = ..., namespace: _Optional[bytes] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("namespace",)
+    __slots__ = ("namespace", "all_namespaces")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
-    def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
+    all_namespaces: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., all_namespaces: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
     __slots__ = ("node_id", "last_seq", "hashes")

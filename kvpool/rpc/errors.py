@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,6 +17,7 @@ from kvpool.core.errors import (
     DeadlineExceeded,
     ErrorCode,
     InternalError,
+    InvalidArgument,
     KVPoolError,
     Unavailable,
     error_from_code,
@@ -27,6 +30,56 @@ HINT_KEY = "kvpool-error-hint"
 _STATUS_BY_NUMBER = {s.value[0]: s for s in grpc.StatusCode}
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: an unexpected exception in a handler logs its traceback at most once per method per this
+#: many seconds (a client that triggers it in a loop must not fill the disk with logs)
+INTERNAL_LOG_INTERVAL_S = 60.0
+
+
+class RateLimitedLog:
+    """Logs one line per ``kind`` per ``interval_s``, with how many were held back since.
+    Bounded state: the kinds are method names (a fixed set)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float,
+        now: Callable[[], float] = time.monotonic,
+        level: int = logging.WARNING,
+    ) -> None:
+        self._log = logger
+        self._level = level
+        self._interval_s = interval_s
+        self._now = now
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def _take(self, kind: str) -> int | None:
+        """Take ``kind``'s log slot: how many were held back since, or None (held now)."""
+        now = self._now()
+        with self._lock:
+            if now < self._next.get(kind, 0.0):
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return None
+            self._next[kind] = now + self._interval_s
+            return self._held.pop(kind, 0)
+
+    def emit(self, kind: str, message: str) -> bool:
+        """Log ``message`` unless ``kind`` was logged within the interval. True if logged."""
+        held = self._take(kind)
+        if held is None:
+            return False
+        suffix = f" ({held} more like it in the last {self._interval_s:.0f} s not logged)" if held else ""
+        self._log.log(self._level, "%s%s", message, suffix)
+        return True
+
+    def would_log(self, kind: str) -> bool:
+        """Take a log slot for ``kind`` (the caller logs, e.g. with a traceback) or count it held."""
+        return self._take(kind) is not None
+
+
+_INTERNAL = RateLimitedLog(log, INTERNAL_LOG_INTERVAL_S)
 
 
 def status_for(code: ErrorCode) -> grpc.StatusCode:
@@ -49,7 +102,8 @@ def typed_handler(method: F) -> F:
         except KVPoolError as err:
             abort_with(context, err)
         except Exception as exc:  # a bug: report it, keep the daemon up
-            log.exception("internal error in %s", method.__name__)
+            if _INTERNAL.would_log(method.__name__):
+                log.exception("internal error in %s", method.__name__)
             abort_with(context, InternalError(f"{type(exc).__name__}: {exc}", hint="see the daemon log"))
         return None  # unreachable: abort raises
 
@@ -75,4 +129,8 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KVPoolError:
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"the kvpool daemon at {address} did not answer in time", hint="is it overloaded?")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own message size limit, before our code
+        return InvalidArgument(
+            f"a message to or from {address} is larger than gRPC allows ({details})", hint="split the batch"
+        )
     return InternalError(f"call to {address} failed: {code} {details}")

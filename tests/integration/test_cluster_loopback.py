@@ -1,7 +1,8 @@
 """A real cluster on loopback: etcd + directory + 3 node daemons as processes.
 
 Each node gets its own host name (--host-name), so clients treat the others as remote
-and blocks cross the TCP data plane exactly as between machines.
+and blocks cross the TCP data plane exactly as between machines. The last test is tenant B
+against tenant A across the cluster (issue 10).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvpool.client.cluster_client import ClusterClient
+from kvpool.core.hashing import pack_hashes
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.cluster_events import decode_batch
 from kvpool.daemon.cluster_local import LocalCluster, etcd_binary, eventually, free_port
@@ -233,3 +235,44 @@ def test_directory_restart_with_rocksdb_answers_from_its_state(tmp_path) -> None
                     directory_pb2_grpc.DirectoryStub(ch).Stats(directory_pb2.StatsRequest(), timeout=2).json
                 )
             assert stats["epoch"] == 2 and stats["blocks"] == 4
+
+
+# -- tenants: the directory keys its holders by (namespace, hash) (issue 10) ------------
+def test_tenant_b_cannot_remove_pin_or_read_tenant_a_through_the_cluster(cluster: LocalCluster) -> None:
+    """B's directory Lookup, Remove (the reported case: it hid A's blocks from A while
+    answering removed 0) and Pin of A's hashes, and its data-plane reads, change and read
+    nothing; B's put under A's hashes stores its own blocks beside A's."""
+    d = cluster.start_directory()
+    a_addr, _, c_addr = (cluster.start_node(name, [d.address]).address for name in ("node-a", "node-b", "node-c"))
+    with (
+        ClusterClient.connect(SPEC, salt=b"tenant-a", directory=[d.address], local=a_addr, timeout_s=3.0) as a,
+        ClusterClient.connect(SPEC, salt=b"tenant-b", directory=[d.address], local=c_addr, timeout_s=3.0) as b,
+    ):
+        hashes = a.hashes(np.arange(16 * 64))
+        data = blocks(64, 1)
+        assert a.put(hashes, data).stored == 64
+        assert eventually(lambda: a.lookup(hashes) == 64)
+        assert b.lookup(hashes) == 0
+        out = np.zeros_like(data)
+        assert b.get_into(hashes, out) == 0  # neither the directory nor a node's data plane serves it
+        assert b.pin(hashes) == 0
+        # the reported case: a directory Remove with B's namespace and A's hashes
+        with grpc.insecure_channel(d.address) as channel:
+            reply = directory_pb2_grpc.DirectoryStub(channel).Remove(
+                directory_pb2.RemoveRequest(namespace=b.namespace.digest(), hashes=pack_hashes(hashes[32:])),
+                timeout=5,
+            )
+        assert (reply.removed, reply.deferred) == (0, 0)
+        assert b.remove(hashes) == 0
+        assert a.lookup(hashes) == 64  # A still sees every block: no holder was forgotten
+        assert a.get_into(hashes, out) == 64
+        np.testing.assert_array_equal(out, data)
+        # B's own put under A's hashes sits beside A's blocks
+        forged = blocks(64, 2)
+        assert b.put(hashes, forged).stored == 64
+        assert eventually(lambda: b.lookup(hashes) == 64)
+        assert a.get_into(hashes, out) == 64
+        np.testing.assert_array_equal(out, data)
+        assert b.remove(hashes) == 64
+        assert eventually(lambda: b.lookup(hashes) == 0)
+        assert a.lookup(hashes) == 64

@@ -37,12 +37,15 @@ def hash_for(client: PoolClient, i: int) -> bytes:
 
 
 def committed_keys(disk_dir: pathlib.Path) -> set[bytes]:
-    """Keys the disk index committed, read straight from LMDB (not through the tier)."""
+    """Block hashes the disk index committed, read straight from LMDB (not through the tier).
+    Its keys are namespace digest || hash; this test writes one namespace."""
     env = lmdb.open(str(disk_dir / "index.lmdb"), max_dbs=2, readonly=True, lock=False)
     try:
         db = env.open_db(b"blocks", create=False)
         with env.begin(db=db) as txn:
-            return {bytes(k) for k, _ in txn.cursor()}
+            keys = [bytes(k) for k, _ in txn.cursor()]
+        assert all(len(k) == 32 for k in keys) and len({k[:16] for k in keys}) <= 1
+        return {k[16:] for k in keys}
     finally:
         env.close()
 

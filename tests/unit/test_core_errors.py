@@ -21,6 +21,7 @@ EXPECTED_STATUS = {
     ErrorCode.VERSION_MISMATCH: 9,
     ErrorCode.NOT_LEADER: 9,
     ErrorCode.UNSUPPORTED_MODEL: 12,  # UNIMPLEMENTED
+    ErrorCode.PERMISSION_DENIED: 7,
     ErrorCode.STORAGE_FAULT: 13,
     ErrorCode.INTERNAL: 13,
 }

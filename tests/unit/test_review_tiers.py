@@ -21,7 +21,8 @@ HOST = StoreConfig(capacity_bytes=1 << 20, slab_bytes=1 << 18)
 
 
 def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
+    """A block key as the daemon builds it: namespace digest || hash."""
+    return NS + i.to_bytes(16, "little")
 
 
 def data(i: int) -> np.ndarray:
@@ -167,8 +168,9 @@ def test_entry_of_a_device_only_block(device_store: Store) -> None:
     assert s.store.device is not None
     device_hits = s.store.device.stats.hits
     remote = NodeBlockStore(SimpleNamespace(store=s.store))  # type: ignore[arg-type]
-    assert remote.lease(bytes(16), [key(victim)]).locations == [], "another namespace must not read it"
-    leased = remote.lease(NS, [key(victim)])
+    block_hash = key(victim)[16:]
+    assert remote.lease(bytes(16), [block_hash]).locations == [], "another namespace must not read it"
+    leased = remote.lease(NS, [block_hash])
     assert len(leased.locations) == 1, "a remote read of a block the node advertises is a miss"
     offset, size, checksum = leased.locations[0]
     assert size == BLOCK and checksum == checksum64(data(victim))

@@ -15,6 +15,7 @@ from transport_helpers import BB, NS, NS_DIGEST, SPEC, make_node
 from kvpool.core.checksum import checksum64
 from kvpool.core.clock import FakeClock
 from kvpool.core.hashing import block_hashes
+from kvpool.core.keys import block_key
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport import wire
@@ -63,7 +64,7 @@ def test_layer_range_read_of_a_rotted_block_is_a_miss(
     ks = block_hashes(NS, np.arange(0, 8))
     data = np.random.default_rng(7).integers(0, 255, size=(1, BB), dtype=np.uint8)
     assert transport.write(server.address, NS_DIGEST, ks, data).stored == 1
-    entry = node.store.entry(ks[0])
+    entry = node.store.entry(block_key(NS_DIGEST, ks[0]))
     assert entry is not None
     offset, length = SPEC.layer_range_bytes(1, 2)
     node.arena.view[entry.offset + offset + 3] ^= 0xFF  # bit rot inside layer 1 after commit
@@ -261,7 +262,7 @@ def test_layer_range_read_of_a_rotted_block_is_a_miss_over_ucx(node: PoolNode) -
         ks = block_hashes(NS, np.arange(0, 16))
         data = np.random.default_rng(5).integers(0, 255, size=(2, BB), dtype=np.uint8)
         assert reader.write(srv.address, NS_DIGEST, ks, data).stored == 2
-        entry = node.store.entry(ks[1])
+        entry = node.store.entry(block_key(NS_DIGEST, ks[1]))
         assert entry is not None
         node.arena.view[entry.offset + BB - 1] ^= 0xFF  # rot outside the range that is read
         offset, length = SPEC.layer_range_bytes(0, 1)

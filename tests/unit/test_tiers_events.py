@@ -25,7 +25,8 @@ HOST = StoreConfig(capacity_bytes=1 << 20, slab_bytes=1 << 18)  # 128 blocks of 
 
 
 def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
+    """A block key as the daemon's store holds it: namespace digest || hash."""
+    return NS + i.to_bytes(16, "little")
 
 
 def data(i: int) -> np.ndarray:
@@ -99,7 +100,8 @@ def test_daemon_node_events_carry_the_tier_through_demotion_promotion_and_disk_e
         assert store.flush()
         logged: list[KVEvent] = node.events.read_from(1, 0)
         assert [e.seq for e in logged] == list(range(1, len(logged) + 1))
-        events = [(e.kind, k, e.tier) for e in logged for k in e.hashes]
+        # the node's events name (namespace, hash); joined, they are the store's block keys
+        events = [(e.kind, e.namespace + k, e.tier) for e in logged for k in e.hashes]
         assert {tier for _, _, tier in events} == {"host", "disk"}
         assert all(kind is EventKind.STORED for kind, _, _ in events)  # nothing left the node yet
         assert history(events, key(0)) == [(EventKind.STORED, "host"), (EventKind.STORED, "disk")]
@@ -107,13 +109,13 @@ def test_daemon_node_events_carry_the_tier_through_demotion_promotion_and_disk_e
         assert event_to_vllm(disk_event)[-1] == "DISK" and TIER_CODES[disk_event.tier] == TIER_CODES["disk"]
 
         assert get(store, buffer, [0]) == 1  # promoted disk -> host
-        events = [(e.kind, k, e.tier) for e in node.events.read_from(1, 0) for k in e.hashes]
+        events = [(e.kind, e.namespace + k, e.tier) for e in node.events.read_from(1, 0) for k in e.hashes]
         assert history(events, key(0))[-1] == (EventKind.STORED, "host")
 
         put(store, buffer, list(range(1000, 1300)))  # the disk fills past high: it evicts
         assert store.flush()
         assert store.disk.stats.evictions > 0
-        events = [(e.kind, k, e.tier) for e in node.events.read_from(1, 0) for k in e.hashes]
+        events = [(e.kind, e.namespace + k, e.tier) for e in node.events.read_from(1, 0) for k in e.hashes]
         removed = {k for kind, k, _ in events if kind is EventKind.REMOVED}
         assert removed and all(not store.lookup([k]) for k in removed)  # REMOVED = gone from the node
         every = [key(i) for i in [*range(200), *range(1000, 1300)]]
@@ -122,7 +124,7 @@ def test_daemon_node_events_carry_the_tier_through_demotion_promotion_and_disk_e
         on_disk = next(k for k, tier in actual(store, every).items() if tier == "disk")
         assert store.remove([on_disk]) == 1  # a client removal of a block only the disk holds
         last = node.events.read_from(node.events.last_seq, 0)[-1]
-        assert last.kind is EventKind.REMOVED and last.hashes == (on_disk,)
+        assert last.kind is EventKind.REMOVED and (last.namespace, last.hashes) == (NS, (on_disk[16:],))
     finally:
         node.close()
 

@@ -11,6 +11,7 @@ import pytest
 import transport_helpers as helpers
 from transport_helpers import BB, NS_DIGEST, blocks, keys, make_node
 
+from kvpool.core.keys import block_keys
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport.base import ReadItem
@@ -71,7 +72,7 @@ def test_lease_limit_is_an_error_reply_and_the_connection_stays(
         ks, data = keys(2, 30), blocks(2, 4)
         assert transport.write(server.address, NS_DIGEST, ks, data).stored == 2
         (sock,) = transport._idle[server.address]
-        held = node.store.lease(ks[:1])  # the node's only read lease
+        held = node.store.lease(block_keys(NS_DIGEST, ks[:1]))  # the node's only read lease
         out = np.zeros_like(data)
         with caplog.at_level(logging.WARNING, logger="kvpool.transport"):
             result = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))

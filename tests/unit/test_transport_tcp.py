@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from transport_helpers import BB, NS_DIGEST, SPEC, blocks, keys
 
 from kvpool.core.hashing import HASH_SCHEME
+from kvpool.core.keys import block_key, block_keys
 from kvpool.core.spec import Namespace
 from kvpool.daemon.node import PoolNode
 from kvpool.transport.base import ReadItem
@@ -71,7 +72,7 @@ def test_corrupt_block_is_a_miss_logged_with_peer(
 ) -> None:
     ks = keys(4, 200)
     transport.write(server.address, NS_DIGEST, ks, blocks(4, 4))
-    entry = node.store.entry(ks[2])
+    entry = node.store.entry(block_key(NS_DIGEST, ks[2]))
     assert entry is not None
     node.arena.view[entry.offset + 7] ^= 0xFF  # bit rot after commit
     out = np.zeros((4, BB), dtype=np.uint8)
@@ -97,7 +98,7 @@ def test_write_with_bad_checksum_is_not_stored(server: TcpDataServer, node: Pool
         status, _, _ = wire.recv_reply(sock)
         counts = wire.WRITE_COUNTS.unpack(wire.recv_exact(sock, wire.WRITE_COUNTS.size))
     assert status == wire.STATUS_OK and counts == (0, 0, 0, 1)
-    assert node.store.lookup(ks) == 0
+    assert node.store.lookup(block_keys(NS_DIGEST, ks)) == 0
 
 
 def test_unknown_namespace_is_refused(server: TcpDataServer, transport: TcpTransport) -> None:

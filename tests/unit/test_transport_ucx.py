@@ -13,6 +13,7 @@ import pytest
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig, StoreConfig
 from kvpool.core.hashing import HASH_SCHEME, block_hashes
+from kvpool.core.keys import block_key
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
@@ -59,7 +60,7 @@ def test_ucx_reads_blocks_and_ranges_verified(setup, caplog: pytest.LogCaptureFi
     more = block_hashes(NS, np.arange(16 * 8))
     out8 = np.zeros((8, BB), dtype=np.uint8)
     assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in more], list(out8)).ok == 6
-    entry = node.store.entry(keys[1])
+    entry = node.store.entry(block_key(NS_DIGEST, keys[1]))
     node.arena.view[entry.offset] ^= 0x5A
     with caplog.at_level(logging.WARNING, logger="kvpool.transport"):
         assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 1

@@ -15,6 +15,7 @@ import pytest
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig, StoreConfig
 from kvpool.core.hashing import HASH_SCHEME, block_hashes
+from kvpool.core.keys import block_keys
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
@@ -186,7 +187,7 @@ def test_a_node_out_of_read_leases_refuses_and_the_ucx_connection_stays(tmp_path
         deadline = time.monotonic() + 5  # the server releases once its sends report completion
         while node.store.summary()["leases_active"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        held = node.store.lease(keys[:1])
+        held = node.store.lease(block_keys(NS_DIGEST, keys[:1]))
         refused = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out))
         assert refused.ok == 0 and "max_leases" in refused.reason
         node.store.release(held.lease_id)

@@ -1,0 +1,105 @@
+"""Block keys: the identity of a stored block is ``(namespace digest, block hash)``.
+
+Why one 32-byte key (``namespace digest || hash``) rather than a namespace check in every
+call: every store, index, directory and event map keys of this one shape, so a caller's
+hash can only ever reach a block of the caller's own namespace. There is no code path
+where a hash alone names a block, so there is no check to forget: tenant B asking for
+A's hash asks for ``B || hash``, which is a different key (a miss), and B's put under A's
+hash creates ``B || hash`` beside A's block instead of replacing or shadowing it.
+
+Wire messages keep carrying a namespace and ``n x 16``-byte hashes (``kvpool-h1``);
+the daemon builds the keys right after decoding and splits them right before encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.hashing import HASH_BYTES
+
+NAMESPACE_BYTES = 16
+BLOCK_KEY_BYTES = NAMESPACE_BYTES + HASH_BYTES
+
+
+def check_namespace(namespace: bytes) -> bytes:
+    """The 16-byte namespace digest, or InvalidArgument (a typed error, never a crash)."""
+    if len(namespace) != NAMESPACE_BYTES:
+        raise InvalidArgument(
+            f"namespace digest must be {NAMESPACE_BYTES} bytes, got {len(namespace)}",
+            hint="send Namespace.digest(), as PoolClient does",
+        )
+    return namespace
+
+
+def block_keys(namespace: bytes, hashes: Iterable[bytes]) -> list[bytes]:
+    """The store keys of ``hashes`` in ``namespace``."""
+    check_namespace(namespace)
+    return [namespace + h for h in hashes]
+
+
+def block_key(namespace: bytes, block_hash: bytes) -> bytes:
+    return namespace + block_hash
+
+
+def key_namespace(key: bytes) -> bytes:
+    return key[:NAMESPACE_BYTES]
+
+
+def key_hash(key: bytes) -> bytes:
+    return key[NAMESPACE_BYTES:]
+
+
+def hashes_of(keys: Sequence[bytes]) -> list[bytes]:
+    """The block hashes of keys (all of one namespace, which the caller already knows)."""
+    return [k[NAMESPACE_BYTES:] for k in keys]
+
+
+def group_by_namespace(keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
+    """namespace -> its hashes, in the keys' order (events name one namespace each)."""
+    out: dict[bytes, list[bytes]] = {}
+    for key in keys:
+        out.setdefault(key[:NAMESPACE_BYTES], []).append(key[NAMESPACE_BYTES:])
+    return out
+
+
+class BlockKeys(Sequence[bytes]):
+    """The block keys of a packed ``n x 16``-byte hash field in one namespace, built one at a
+    time as a store walks them. Why lazy: a lookup or lease stops at the first miss, so a
+    request naming 65,536 hashes that miss at once costs one key, not 65,536 allocations
+    (a tenant flooding the daemon with the largest requests must not slow the others)."""
+
+    __slots__ = ("_count", "_namespace", "_packed")
+
+    def __init__(self, namespace: bytes, packed: bytes) -> None:
+        self._namespace = check_namespace(namespace)
+        if len(packed) % HASH_BYTES:
+            raise InvalidArgument(f"packed hashes length {len(packed)} is not a multiple of {HASH_BYTES}")
+        self._packed = packed
+        self._count = len(packed) // HASH_BYTES
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return [self._key(i) for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        return self._key(index)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._count):
+            yield self._key(i)
+
+    def _key(self, i: int) -> bytes:
+        return self._namespace + self._packed[i * HASH_BYTES : (i + 1) * HASH_BYTES]
