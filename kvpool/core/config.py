@@ -24,6 +24,9 @@ class StoreConfig:
     max_batch_blocks: int = 65_536  # most blocks one call may name
     max_leases: int = 100_000  # most read leases held at once
     max_pending_puts: int = 10_000  # most puts between start and commit at once
+    # start even when capacity_bytes exceeds MemAvailable or the arena filesystem's free space
+    # (a warning; the arena is then not reserved and clients may die with SIGBUS): storage/arena.py
+    allow_overcommit: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.slab_bytes <= 0:

@@ -36,7 +36,9 @@ class PoolNode:
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
-        self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes)
+        self.arena = SharedArena.create(
+            config.arena_dir, config.store.capacity_bytes, allow_overcommit=config.store.allow_overcommit
+        )
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._ns_lock = threading.Lock()
         self.store = build_node_store(config, self.arena.view, clock, self._on_event)
