@@ -92,6 +92,7 @@ def test_leader_sigkill_reads_are_misses_puts_wait_then_one_typed_error(cluster:
         with pytest.raises(DirectoryFailover) as info:
             quick.put(h2, blocks(2, 8))
         text = str(info.value)
+        print(f"\nthe put's error: {text}")
         assert "failover in progress" in text and d1.address in text and d2.address in text
         assert "NOT_FOUND" not in text and "UNAVAILABLE" in text and "failover_wait_ms" in text
 
