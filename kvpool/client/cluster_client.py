@@ -222,10 +222,14 @@ class ClusterClient:
         return where
 
     def _failover_error(self, name: str, waited_ms: float, last: KVPoolError | None) -> DirectoryFailover:
-        previous = f"leader {self._ok_leader} stopped answering and " if self._ok_leader else ""
+        if isinstance(last, NotFound):  # a leader answers, but no node has re-registered with it yet
+            what = f"the new leader {self.link.leader} of {self._where()} has no node registered"
+        else:
+            previous = f"leader {self._ok_leader} stopped answering and " if self._ok_leader else ""
+            what = f"{previous}no directory leader of {self._where()} answered {name}"
         return DirectoryFailover(
-            f"directory failover in progress: {previous}no directory leader of {self._where()} "
-            f"answered {name} within {waited_ms:.0f} ms (last: {last.message if last else 'none'})",
+            f"directory failover in progress: {what} within {waited_ms:.0f} ms "
+            f"(last: {last.message if last else 'none'})",
             hint=f"nothing was written; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
             "directory's --election-ttl-s plus a node heartbeat; reads are misses (or local hits) meanwhile",
         )
@@ -294,8 +298,10 @@ class ClusterClient:
         """Leading blocks of ``hashes`` held by some live node, as the directory says. While no
         directory leader answers (a failover) it is 0: a miss, never an error. (``get_into``
         still reads what the client's own node holds.)"""
-        if not hashes or self._directory_down():
-            self.counters["directory_down_reads"] += bool(hashes)
+        if not hashes:
+            return 0
+        if self._directory_down():
+            self.counters["directory_down_reads"] += 1
             return 0
         try:
             return len(self.locate(hashes)[0])

@@ -20,6 +20,7 @@ from kvpool.client.cluster_client import ClusterClient, DirectoryFailover
 from kvpool.core.errors import NotFound
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.cluster_local import LocalCluster, etcd_binary, eventually
+from kvpool.proto import directory_pb2
 
 pytestmark = [
     pytest.mark.etcd,
@@ -155,3 +156,25 @@ def test_not_found_from_the_leader_that_placed_before_is_an_answer(tmp_path) -> 
                 return False
 
             assert eventually(refused, timeout_s=10)  # once the directory dropped node-a (1 s TTL)
+
+
+def test_a_new_leader_without_nodes_is_a_failover_not_not_found(cluster: LocalCluster) -> None:
+    """The nodes die with the leader, so none ever re-registers with the standby: the put
+    waits through "no live node is registered" from the new leader and then says what it saw."""
+    d1 = cluster.start_directory("dir-1")
+    d2 = cluster.start_directory("dir-2", wait_leader=False)
+    cluster.start_node("node-a", [], etcd=True)
+    with ClusterClient.connect(
+        SPEC, salt=b"t", directory=[d1.address, d2.address], timeout_s=3.0, failover_wait_ms=8_000
+    ) as client:
+        h = client.hashes(np.arange(16 * 2))
+        assert eventually(lambda: len(client.link.call("Nodes", directory_pb2.NodesRequest()).nodes) == 1)
+        assert client.put(h, blocks(2, 1)).stored == 2
+        for proc in [p for p in cluster.procs if p.name in ("node-a", "dir-1")]:
+            proc.kill()
+        with pytest.raises(DirectoryFailover) as info:
+            client.put(h, blocks(2, 1))
+        text = str(info.value)
+        assert f"the new leader {d2.address}" in text and "no node registered" in text, text
+        assert "no live node is registered" in text  # what the leader said, as the cause
+        assert client.link.leader == d2.address
