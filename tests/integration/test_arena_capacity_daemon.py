@@ -20,7 +20,9 @@ import pytest
 from conftest import PYTHON, REPO_ROOT, free_port, start_daemon
 
 from kvpool.client.pool_client import PoolClient
+from kvpool.core.errors import CapacityExhausted
 from kvpool.core.spec import KVSpec
+from kvpool.storage.arena import _reserve
 
 # 512 KiB blocks, 1 MiB slabs: an 8 MiB filesystem holds 16 of them at most
 SPEC = KVSpec(model="arena-cap", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16", block_tokens=64)
@@ -117,3 +119,17 @@ def test_allow_overcommit_starts_with_a_warning_and_the_risk_is_real(tiny_tmpfs:
         assert daemon.proc.poll() is None  # the daemon itself is still up
     finally:
         daemon.cleanup()
+
+
+def test_a_reservation_that_loses_a_race_is_the_same_typed_refusal(tiny_tmpfs: pathlib.Path) -> None:
+    """Another process may take the room between the check and ``posix_fallocate``: ENOSPC
+    then reads as CAPACITY_EXHAUSTED with the free space at that moment, not an OSError."""
+    path = tiny_tmpfs / "raced.arena"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(CapacityExhausted, match="cannot reserve an arena of 16777216 bytes") as info:
+            _reserve(fd, str(path), 16 << 20)
+        assert "free now" in info.value.message and "--allow-overcommit" in info.value.hint
+    finally:
+        os.close(fd)
+        path.unlink()
