@@ -2,21 +2,106 @@
 every same-host client, so block bytes move with one memcpy and never through gRPC.
 
 The daemon creates it (``SharedArena.create``) and removes the file on close; clients
-map the same file by path (``SharedArena.attach``). Pages are touched lazily, so a
-large arena costs memory only as blocks are written.
+map the same file by path (``SharedArena.attach``).
+
+Guarantees (tests: ``tests/unit/test_arena_capacity.py``,
+``tests/integration/test_arena_capacity_daemon.py``):
+
+- an arena larger than the machine can hold is refused before anything is created:
+  ``capacity_bytes`` must fit both in ``MemAvailable`` (``/proc/meminfo``) and in the free
+  space of the arena directory's filesystem (``statvfs``), else ``CapacityExhausted``
+  names the numbers and what to do;
+- every page of the arena file is reserved up front (``posix_fallocate``): a store on a
+  mapped file whose filesystem is full is a SIGBUS in whichever process touches the page
+  (a client's memcpy), with no Python error; with the pages reserved at start that cannot
+  happen. The reservation costs its memory at start (tmpfs pages are allocated, zeroed)
+  and the time to zero them (``docs/tiers.md``);
+- ``allow_overcommit=True`` is the explicit way out: a shortfall is logged as a warning
+  and the file stays sparse (pages come lazily, and a client may get SIGBUS when the
+  filesystem runs out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import pathlib
+import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.core.errors import InvalidArgument, StorageFault, Unavailable
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault, Unavailable
+
+log = logging.getLogger("kvpool.arena")
+
+MEMINFO_PATH = "/proc/meminfo"
+OVERCOMMIT_HINT = (
+    "lower --capacity-bytes, or pass --allow-overcommit to start anyway (clients may then die with SIGBUS)"
+)
+
+
+def available_memory_bytes(meminfo_path: str = MEMINFO_PATH) -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes: the kernel's estimate of what can be
+    allocated without swapping. None where the file or the field is missing (not Linux,
+    kernels before 3.14), so the check is skipped rather than guessed."""
+    try:
+        with open(meminfo_path, encoding="ascii") as fh:
+            for line in fh:
+                name, _, rest = line.partition(":")
+                if name == "MemAvailable":
+                    value, _, unit = rest.strip().partition(" ")
+                    return int(value) * (1024 if unit.strip().lower() == "kb" else 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def filesystem_free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer can still allocate on ``directory``'s filesystem
+    (``f_bavail``: root's reserve excluded, since the daemon need not run as root)."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _size(nbytes: int) -> str:
+    """'1099511627776 bytes (1.00 TiB)': the exact figure for scripts, the rounded one for people."""
+    value, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{nbytes} bytes ({value:.2f} {unit})"
+
+
+@dataclass(frozen=True)
+class ArenaRoom:
+    """What the machine offers an arena in one directory, read once at start."""
+
+    directory: str
+    mem_available_bytes: int | None  # None: the kernel does not say (check skipped)
+    fs_free_bytes: int
+
+    @classmethod
+    def measure(cls, directory: str, meminfo_path: str = MEMINFO_PATH) -> ArenaRoom:
+        return cls(directory, available_memory_bytes(meminfo_path), filesystem_free_bytes(directory))
+
+    def shortfalls(self, capacity_bytes: int) -> list[str]:
+        """Each limit ``capacity_bytes`` exceeds, as a phrase naming it; empty when it fits."""
+        out: list[str] = []
+        if self.mem_available_bytes is not None and capacity_bytes > self.mem_available_bytes:
+            out.append(f"available memory (MemAvailable {_size(self.mem_available_bytes)})")
+        if capacity_bytes > self.fs_free_bytes:
+            out.append(f"the free space of {self.directory} ({_size(self.fs_free_bytes)})")
+        return out
+
+    def most_bytes(self) -> int:
+        """The largest arena that passes the check here."""
+        limits = [self.fs_free_bytes] + ([self.mem_available_bytes] if self.mem_available_bytes is not None else [])
+        return min(limits)
 
 
 class SharedArena:
@@ -31,13 +116,36 @@ class SharedArena:
         self.view = np.frombuffer(mapping, dtype=np.uint8)
 
     @classmethod
-    def create(cls, directory: str, capacity_bytes: int, name_hint: str = "kvpool") -> SharedArena:
-        """Create a new arena file of ``capacity_bytes`` under ``directory`` (normally /dev/shm)."""
+    def create(
+        cls,
+        directory: str,
+        capacity_bytes: int,
+        name_hint: str = "kvpool",
+        *,
+        allow_overcommit: bool = False,
+        meminfo_path: str = MEMINFO_PATH,
+    ) -> SharedArena:
+        """Create a new arena file of ``capacity_bytes`` under ``directory`` (normally /dev/shm),
+        after checking the machine can hold it, and reserve its pages (module docstring)."""
         if capacity_bytes <= 0:
             raise InvalidArgument("arena capacity_bytes must be positive")
         folder = pathlib.Path(directory)
         if not folder.is_dir():
             raise StorageFault(f"arena directory {directory} does not exist", hint="use --arena-dir /dev/shm")
+        room = ArenaRoom.measure(directory, meminfo_path)
+        shortfalls = room.shortfalls(capacity_bytes)
+        if shortfalls and not allow_overcommit:
+            raise CapacityExhausted(
+                f"arena of {_size(capacity_bytes)} exceeds {' and '.join(shortfalls)}",
+                hint=f"{OVERCOMMIT_HINT}; at most {_size(room.most_bytes())} fits here",
+            )
+        if shortfalls:
+            log.warning(
+                "arena of %s exceeds %s; starting anyway (--allow-overcommit): pages are not reserved, "
+                "and a client writing a page the machine cannot back dies with SIGBUS",
+                _size(capacity_bytes),
+                " and ".join(shortfalls),
+            )
         path = str(folder / f"{name_hint}-{os.getpid()}-{uuid.uuid4().hex[:8]}.arena")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -45,14 +153,18 @@ class SharedArena:
             raise StorageFault(f"cannot create arena file {path}: {exc}", hint="check --arena-dir is writable") from exc
         try:
             os.ftruncate(fd, capacity_bytes)
+            if not shortfalls:
+                _reserve(fd, path, capacity_bytes)
             mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
+        except BaseException as exc:
             os.close(fd)
             os.unlink(path)
-            raise StorageFault(
-                f"cannot map a {capacity_bytes}-byte arena at {path}: {exc}",
-                hint="lower --capacity-bytes or enlarge /dev/shm",
-            ) from exc
+            if isinstance(exc, OSError):
+                raise StorageFault(
+                    f"cannot map a {capacity_bytes}-byte arena at {path}: {exc}",
+                    hint="lower --capacity-bytes or enlarge /dev/shm",
+                ) from exc
+            raise
         return cls(path, capacity_bytes, True, fd, mapping)
 
     @classmethod
@@ -117,6 +229,22 @@ class SharedArena:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def _reserve(fd: int, path: str, capacity_bytes: int) -> None:
+    """Allocate every page of the arena file now, so that no store into the mapping can
+    fault on a full filesystem later (SIGBUS in a client). Another process may have taken
+    the room between the check and here: that is the same typed refusal."""
+    started = time.monotonic()
+    try:
+        os.posix_fallocate(fd, 0, capacity_bytes)
+    except OSError as exc:
+        free = filesystem_free_bytes(os.path.dirname(path))
+        raise CapacityExhausted(
+            f"cannot reserve an arena of {_size(capacity_bytes)} at {path}: {exc.strerror} (free now: {_size(free)})",
+            hint=OVERCOMMIT_HINT,
+        ) from None
+    log.info("arena %s: %s reserved in %.0f ms", path, _size(capacity_bytes), (time.monotonic() - started) * 1000)
 
 
 def _pid_alive(pid: int) -> bool:

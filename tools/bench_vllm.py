@@ -151,12 +151,17 @@ def phase(name: str, prompts: list[list[int]], wait_for: str = "") -> dict[str, 
     return {"name": name, "prompts": prompts, "sequential": True, "max_tokens": 1, "wait_for": wait_for}
 
 
+#: The first requests of a fresh engine are slow (one-time allocations, thread pools): every
+#: engine serves these unrelated prompts first, outside every figure.
+WARMUP = phase("warmup", [[5 + (i * 7919 + j) % 1990 for j in range(300 + 100 * i)] for i in range(4)])
+
+
 def two_instance_phases(
     work: Path, row: str, turns: list[list[list[int]]], extra_a: list[dict[str, Any]], extra_b: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Turn t on instance t % 2; each phase waits for the other instance's previous one."""
-    a: list[dict[str, Any]] = []
-    b: list[dict[str, Any]] = []
+    a: list[dict[str, Any]] = [WARMUP]
+    b: list[dict[str, Any]] = [WARMUP]
     names = {"a": work / f"{row}-a.json", "b": work / f"{row}-b.json"}
     last = ""
     for t, prompts in enumerate(turns):
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             kv = connector_config(row, pool_addr, shared, work / f"{row}-stats")
             cold = [phase("cold", pr["cold"])]
             if row.endswith("-1"):
-                phases = [phase(f"turn{t}", p) for t, p in enumerate(turns)] + cold
+                phases = [WARMUP] + [phase(f"turn{t}", p) for t, p in enumerate(turns)] + cold
                 engines = [Engine(work, f"{row}-a", model, phases, kv)]
             else:
                 extra_a = [*cold, phase("base", pr["base"]), phase("q90_local", pr["q90_local"])]
@@ -242,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 pa, pb = two_instance_phases(work, row, turns, extra_a, extra_b)
                 # B's q90 must follow A's "base" phase, not A's last one
                 pb[-1]["wait_for"] = f"{work / f'{row}-a.json'}.phase{len(pa) - 2}.done"
+                # and A's own-cache hit only after it, so the two timed phases never overlap
+                pa[-1]["wait_for"] = f"{work / f'{row}-b.json'}.phase{len(pb) - 1}.done"
                 engines = [Engine(work, f"{row}-a", model, pa, kv), Engine(work, f"{row}-b", model, pb, kv)]
             results = [e.result() for e in engines]
             failed = [r for r in results if isinstance(r, str)]

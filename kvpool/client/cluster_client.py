@@ -16,6 +16,17 @@ result is always the count of leading blocks that are in ``out`` and verified.
 Writes: the directory's ``Place`` picks the nodes (local-first, most free space,
 ``replicas`` distinct nodes). Hot blocks read from remote nodes ``replicate_after`` times
 are copied into the local node, so the next read is local.
+
+Directory failover (``docs/cluster.md``): while no directory leader answers (the old one
+died and the standby has not won the election yet), reads never raise: ``lookup`` is 0 (a
+miss: it reports what the directory knows) and ``get_into`` reads what the client's own
+node holds (verified as always; a miss without one). The directory is probed at most once
+per ``FAILOVER_PROBE_MS`` meanwhile, so a prompt does not pay a failed round trip each. A
+new leader answers lookups with misses until the nodes have re-registered with it. Writes
+wait for a leader that has nodes, up to ``failover_wait_ms``, then fail with one
+``DirectoryFailover`` (an ``Unavailable``) naming the directory and saying a failover is in
+progress: a new leader's "no live node is registered" (``NotFound``) is part of the
+failover, not an answer.
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +46,8 @@ import numpy as np
 
 from kvpool.client.blocks import block_rows
 from kvpool.client.pool_client import PoolClient, PutResult, hello_request
-from kvpool.core.errors import InvalidArgument, KVPoolError
+from kvpool.core.clock import Clock, MonotonicClock
+from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
 from kvpool.core.hashing import block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.directory.etcd import EtcdClient
@@ -48,6 +61,15 @@ from kvpool.transport.factory import make_transport
 log = logging.getLogger("kvpool.cluster_client")
 
 MAX_PARALLEL_PEERS = 8
+DEFAULT_FAILOVER_WAIT_MS = 5_000  # > the directory's default election TTL (2 s) + a node heartbeat
+FAILOVER_PROBE_MS = 100  # while the directory is down, reads ask it at most this often
+PLACE_RETRY_FIRST_MS = 25  # a waiting put retries Place after this, doubling...
+PLACE_RETRY_MAX_MS = 250  # ...up to this
+
+
+class DirectoryFailover(Unavailable):
+    """No directory leader answers: the old leader is gone and no new one has taken over
+    (or has, but no node has re-registered with it yet). An ``Unavailable``: retry later."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,12 @@ class ClusterClient:
         replicate_after: int = 0,
         same_host_shm: bool = True,
         timeout_s: float = 10.0,
+        failover_wait_ms: int = DEFAULT_FAILOVER_WAIT_MS,
+        clock: Clock | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        if failover_wait_ms < 0:
+            raise InvalidArgument("failover_wait_ms must be >= 0")
         self.link = link
         self.namespace = namespace
         self.spec = namespace.spec
@@ -84,6 +111,14 @@ class ClusterClient:
         self.replicate_after = replicate_after
         self.same_host_shm = same_host_shm
         self.timeout_s = timeout_s
+        self.failover_wait_ms = failover_wait_ms
+        self._clock = clock or MonotonicClock()
+        self._sleep = sleep
+        self._ok_leader = ""  # the leader of the last directory call that succeeded
+        self._place_leader = ""  # the leader of the last Place that succeeded
+        self._down_since_ms: float | None = None  # first failed directory call of a failover
+        self._next_probe_ms = 0.0  # reads skip the directory until then while it is down
+        self._leader_changed_ms: float | None = None  # when a call was last answered by a new leader
         self._same_host: dict[str, PoolClient] = {}
         self._hello_done: set[str] = set()
         self._remote_reads: dict[bytes, int] = {}
@@ -96,6 +131,8 @@ class ClusterClient:
             "failed_runs": 0,
             "retried_runs": 0,
             "replicated_blocks": 0,
+            "directory_down_reads": 0,  # reads answered without the directory (failover)
+            "failover_put_waits": 0,  # puts that waited for a directory leader
         }
 
     @classmethod
@@ -113,9 +150,11 @@ class ClusterClient:
         replicate_after: int = 0,
         same_host_shm: bool = True,
         timeout_s: float = 10.0,
+        failover_wait_ms: int = DEFAULT_FAILOVER_WAIT_MS,
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
-        given, attach to that same-host node's arena."""
+        given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long a
+        put waits for a directory leader during a failover."""
         namespace = Namespace(spec, salt, adapter)
         link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s)
         local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s) if local else None
@@ -133,6 +172,7 @@ class ClusterClient:
                 replicate_after,
                 same_host_shm,
                 timeout_s,
+                failover_wait_ms,
             )
         except BaseException:
             if local_client is not None:
@@ -150,11 +190,96 @@ class ClusterClient:
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
         return block_hashes(self.namespace, token_ids, extras)
 
+    # -- the directory, through failovers ----------------------------------------------------
+    def _directory(self, name: str, request: Any) -> Any:
+        """``Directory.<name>`` on the leader; remembers which leader answered, and when the
+        directory stopped answering, so reads and puts can tell a failover from an answer."""
+        try:
+            reply = self.link.call(name, request)
+        except (Unavailable, NotLeader):
+            with self._lock:
+                if self._down_since_ms is None:
+                    self._down_since_ms = self._clock.now_ms()
+                self._next_probe_ms = self._clock.now_ms() + FAILOVER_PROBE_MS
+            raise
+        with self._lock:
+            if self._ok_leader and self.link.leader != self._ok_leader:
+                self._leader_changed_ms = self._clock.now_ms()
+            self._ok_leader = self.link.leader
+            self._down_since_ms = None
+        return reply
+
+    def _directory_down(self) -> bool:
+        """True while the directory is known not to answer and the next probe is not due."""
+        with self._lock:
+            return self._down_since_ms is not None and self._clock.now_ms() < self._next_probe_ms
+
+    def _where(self) -> str:
+        where = ",".join(self.link.addresses)
+        if self.link.etcd is not None:
+            etcd = f"etcd {','.join(self.link.etcd.endpoints)}, cluster {self.link.cluster!r}"
+            where = f"{where} ({etcd})" if where else etcd
+        return where
+
+    def _failover_error(self, name: str, waited_ms: float, last: KVPoolError | None) -> DirectoryFailover:
+        if isinstance(last, NotFound):  # a leader answers, but no node has re-registered with it yet
+            what = f"the new leader {self.link.leader} of {self._where()} has no node registered"
+        else:
+            previous = f"leader {self._ok_leader} stopped answering and " if self._ok_leader else ""
+            what = f"{previous}no directory leader of {self._where()} answered {name}"
+        return DirectoryFailover(
+            f"directory failover in progress: {what} within {waited_ms:.0f} ms "
+            f"(last: {last.message if last else 'none'})",
+            hint=f"nothing was written; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
+            "directory's --election-ttl-s plus a node heartbeat; reads are misses (or local hits) meanwhile",
+        )
+
+    def _new_leader_without_nodes(self) -> bool:
+        """A NotFound ("no live node is registered") from Place is the tail of a failover when
+        it comes from a leader other than the one that last placed for us, or from one that
+        took over less than ``failover_wait_ms`` ago: nodes re-register with a new leader
+        within a heartbeat. From the leader that placed before, it is an answer."""
+        if self._place_leader and self.link.leader != self._place_leader:
+            return True
+        changed = self._leader_changed_ms
+        return changed is not None and self._clock.now_ms() - changed < self.failover_wait_ms
+
+    def _place(self, request: directory_pb2.PlaceRequest) -> Any:
+        """``Place``, waiting out a failover for up to ``failover_wait_ms``: retried while no
+        leader answers and while a new leader has no node yet (``_new_leader_without_nodes``),
+        then one ``DirectoryFailover``. Never the new leader's misleading NotFound."""
+        started = self._clock.now_ms()
+        pause_ms = float(PLACE_RETRY_FIRST_MS)
+        last: KVPoolError | None = None
+        waited = False
+        while True:
+            try:
+                reply = self._directory("Place", request)
+            except (Unavailable, NotLeader) as err:
+                last = err
+            except NotFound as err:
+                if not (waited or self._new_leader_without_nodes()):
+                    raise
+                last = err
+            else:
+                self._place_leader = self.link.leader
+                return reply
+            elapsed_ms = self._clock.now_ms() - started
+            if elapsed_ms >= self.failover_wait_ms:
+                raise self._failover_error("Place", elapsed_ms, last) from None
+            if not waited:
+                waited = True
+                self.counters["failover_put_waits"] += 1
+                log.info("directory did not place a put (%s); waiting up to %d ms", last, self.failover_wait_ms)
+            self._sleep(min(pause_ms, self.failover_wait_ms - elapsed_ms) / 1000)
+            pause_ms = min(pause_ms * 2, PLACE_RETRY_MAX_MS)
+
     def locate(self, hashes: Sequence[bytes], lease_ms: int = 0) -> tuple[list[list[Holder]], int]:
-        """Per leading cached block, its holders; plus the directory lease id (0 if none)."""
+        """Per leading cached block, its holders; plus the directory lease id (0 if none).
+        Raises ``Unavailable`` while no directory leader answers (``lookup`` does not)."""
         if not hashes:
             return [], 0
-        reply = self.link.call(
+        reply = self._directory(
             "Lookup",
             directory_pb2.LookupRequest(
                 namespace=self._ns,
@@ -170,8 +295,20 @@ class ClusterClient:
         return out, int(reply.lease_id)
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of ``hashes`` held by some live node."""
-        return len(self.locate(hashes)[0])
+        """Leading blocks of ``hashes`` held by some live node, as the directory says. While no
+        directory leader answers (a failover) it is 0: a miss, never an error. (``get_into``
+        still reads what the client's own node holds.)"""
+        if not hashes:
+            return 0
+        if self._directory_down():
+            self.counters["directory_down_reads"] += 1
+            return 0
+        try:
+            return len(self.locate(hashes)[0])
+        except (Unavailable, NotLeader) as err:
+            log.info("directory lookup failed (%s): a miss", err)
+            self.counters["directory_down_reads"] += 1
+            return 0
 
     # -- reads ---------------------------------------------------------------------------
     def _rank(self, holder: Holder) -> int:
@@ -280,11 +417,20 @@ class ClusterClient:
     def _get(self, hashes: Sequence[bytes], rows: np.ndarray, out: Any, byte_range: tuple[int, int] | None) -> int:
         if not hashes:
             return 0
-        try:
-            holders, _ = self.locate(hashes)
-        except KVPoolError as err:
-            log.warning("directory lookup failed (%s): every block is a miss", err)
-            return 0
+        holders: list[list[Holder]] | None = None
+        if not self._directory_down():
+            try:
+                holders, _ = self.locate(hashes)
+            except (Unavailable, NotLeader) as err:
+                log.info("directory lookup failed (%s): reading from the local node only", err)
+            except KVPoolError as err:
+                log.warning("directory lookup failed (%s): every block is a miss", err)
+                return 0
+        if holders is None:  # no directory leader: what the client's own node holds, verified
+            self.counters["directory_down_reads"] += 1
+            if self.local is None:
+                return 0
+            holders = [[Holder(self.local.node_id, "", "", self.host)]] * len(hashes)
         runs = self._plan(holders)
         # runs on other holders go to the pool; the first runs here (polling UCX progress
         # from the calling thread is the fastest path, and most prompts are one run)
@@ -370,8 +516,7 @@ class ClusterClient:
             raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
         if not hashes:
             return PutResult(0, 0, 0, 0)
-        reply = self.link.call(
-            "Place",
+        reply = self._place(
             directory_pb2.PlaceRequest(
                 namespace=self._ns,
                 blocks=len(hashes),
@@ -386,7 +531,7 @@ class ClusterClient:
     def put_on(self, node_id: str, hashes: Sequence[bytes], blocks: Any) -> PutResult:
         """Store blocks on one named node (tests, manual replication)."""
         rows = block_rows(blocks, self.spec, "blocks")
-        nodes = self.link.call("Nodes", directory_pb2.NodesRequest()).nodes
+        nodes = self._directory("Nodes", directory_pb2.NodesRequest()).nodes
         for n in nodes:
             if n.node_id == node_id:
                 return self._put_on(Holder.of(n), hashes, blocks, rows)
@@ -411,11 +556,11 @@ class ClusterClient:
 
     # -- management ----------------------------------------------------------------------
     def remove(self, hashes: Sequence[bytes]) -> int:
-        reply = self.link.call("Remove", directory_pb2.RemoveRequest(namespace=self._ns, hashes=pack_hashes(hashes)))
+        reply = self._directory("Remove", directory_pb2.RemoveRequest(namespace=self._ns, hashes=pack_hashes(hashes)))
         return int(reply.removed)
 
     def pin(self, hashes: Sequence[bytes], ttl_ms: int | None = None) -> int:
-        reply = self.link.call(
+        reply = self._directory(
             "Pin",
             directory_pb2.PinRequest(
                 namespace=self._ns, hashes=pack_hashes(hashes), hard=ttl_ms is None, ttl_ms=ttl_ms or 0
@@ -424,13 +569,13 @@ class ClusterClient:
         return int(reply.changed)
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
-        reply = self.link.call(
+        reply = self._directory(
             "Pin", directory_pb2.PinRequest(namespace=self._ns, hashes=pack_hashes(hashes), unpin=True)
         )
         return int(reply.changed)
 
     def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads(self.link.call("Stats", directory_pb2.StatsRequest()).json)
+        result: dict[str, Any] = json.loads(self._directory("Stats", directory_pb2.StatsRequest()).json)
         result["client"] = dict(self.counters)
         return result
 

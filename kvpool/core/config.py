@@ -28,6 +28,9 @@ class StoreConfig:
     # most bytes one namespace may hold in this tier (0 = no quota): a put past it evicts
     # that namespace's own least recently used blocks first, never another namespace's
     namespace_quota_bytes: int = 0
+    # start even when capacity_bytes exceeds MemAvailable or the arena filesystem's free space
+    # (a warning; the arena is then not reserved and clients may die with SIGBUS): storage/arena.py
+    allow_overcommit: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.slab_bytes <= 0:

@@ -36,6 +36,22 @@ _UNITS = {
 }
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def parse_switch(text: str | bool) -> bool:
+    """A yes/no option: a TOML boolean, or 1/true/yes/on and 0/false/no/off in env and flags."""
+    if isinstance(text, bool):
+        return text
+    word = str(text).strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise InvalidArgument(f"{text!r} is not a yes/no value", hint="write true or false (1/0, yes/no, on/off)")
+
+
 def parse_bytes(text: str | int) -> int:
     """'2GiB' -> 2147483648, '512MB' -> 512000000, '4096' -> 4096."""
     if isinstance(text, int):
@@ -84,7 +100,8 @@ OPTIONS: list[Option] = [
         "--capacity-bytes",
         "store.capacity_bytes",
         parse_bytes,
-        "host-tier capacity (arena size), e.g. 8GiB. Default 2GiB. Memory is touched only as blocks are written.",
+        "host-tier capacity (arena size), e.g. 8GiB. Default 2GiB. Must fit in available memory and in "
+        "the free space of --arena-dir (else the daemon refuses to start); reserved in full at start.",
     ),
     Option(
         "--slab-bytes",
@@ -114,6 +131,14 @@ OPTIONS: list[Option] = [
     Option("--max-batch-blocks", "store.max_batch_blocks", int, "most blocks one call may name. Default 65536."),
     Option("--max-leases", "store.max_leases", int, "most read leases held at once. Default 100000."),
     Option("--max-pending-puts", "store.max_pending_puts", int, "most puts in flight at once. Default 10000."),
+    Option(
+        "--allow-overcommit",
+        "store.allow_overcommit",
+        parse_switch,
+        "start even when --capacity-bytes exceeds the memory available (MemAvailable) or the free "
+        "space of --arena-dir: logs a warning and leaves the arena unreserved, so clients may die with "
+        "SIGBUS when the machine runs out. A switch (no value); env/TOML take true/false. Default: refuse to start.",
+    ),
     Option("--host-policy", "tiers.host_policy", str, "eviction policy of the host tier. Default lru."),
     Option(
         "--disk-dir",
@@ -271,6 +296,16 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
         help="TOML file with the same options (top-level keys, [store] and [tiers] tables); env: KVPOOL_CONFIG",
     )
     for opt in OPTIONS:
+        if opt.parse is parse_switch:  # a bare flag; its env var and TOML key take true/false
+            parser.add_argument(
+                opt.flag,
+                dest=opt.dest,
+                default=None,
+                action="store_const",
+                const=True,
+                help=f"{opt.help} (env: {opt.env})",
+            )
+            continue
         parser.add_argument(
             opt.flag, dest=opt.dest, default=None, metavar=_metavar(opt), help=f"{opt.help} (env: {opt.env})"
         )

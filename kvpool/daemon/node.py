@@ -58,7 +58,9 @@ class PoolNode:
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
-        self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes)
+        self.arena = SharedArena.create(
+            config.arena_dir, config.store.capacity_bytes, allow_overcommit=config.store.allow_overcommit
+        )
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._last_used_ms: dict[bytes, float] = {}  # namespace -> last call that named it
         self._ns_lock = threading.Lock()
