@@ -39,6 +39,7 @@ copied, naming both specs. ``close()`` removes the connector's forward hook.
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import weakref
@@ -118,6 +119,20 @@ def _check_config(model: Any) -> None:
         raise _refuse(model, "layers that share another layer's KV are not supported")
 
 
+def forward_with_cache(model: Any, ids: torch.Tensor, cache: Any) -> Any:
+    """``model(ids)`` continuing ``cache``: the keyword is ``past_key_values`` up to transformers
+    5.19 (the range vLLM 0.32 needs) and ``cache`` in later releases; take what the forward names."""
+    params = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    return model(ids, use_cache=True, **{key: cache})
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a forward returned (``past_key_values`` or, in later transformers, ``cache``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 def probe_cache_layout(model: Any) -> CacheLayout:
     """Run ``PROBE_TOKENS`` tokens through the model once and read the cache it builds.
 
@@ -140,8 +155,8 @@ def probe_cache_layout(model: Any) -> CacheLayout:
     _check_config(model)
     ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=params[0].device)
     with torch.no_grad():
-        out = model(ids, cache=DynamicCache(config=model.config), use_cache=True)
-    cache = getattr(out, "cache", None)
+        out = forward_with_cache(model, ids, DynamicCache(config=model.config))
+    cache = output_cache(out)
     layers = getattr(cache, "layers", None)
     if not layers:
         raise _refuse(model, f"its forward returned no per-layer cache ({type(cache).__name__})")
@@ -358,15 +373,16 @@ class HFConnector:
         hit = hit_blocks * t
         before = self._tokens_run
         device = next(self.model.parameters()).device
-        out = self.model(ids[hit:].unsqueeze(0).to(device), cache=cache, use_cache=True)
+        out = forward_with_cache(self.model, ids[hit:].unsqueeze(0).to(device), cache)
         run = self._tokens_run - before
         stored = 0
+        out_cache = output_cache(out)
         if store and n // t > hit_blocks:
-            self._check_cache_holds(out.cache, n)
-            stored = self.store_blocks(hashes, out.cache, hit_blocks, n // t)
+            self._check_cache_holds(out_cache, n)
+            stored = self.store_blocks(hashes, out_cache, hit_blocks, n // t)
         return PrefillResult(
             logits=out.logits,
-            cache=out.cache,
+            cache=out_cache,
             prompt_tokens=n,
             hit_tokens=hit,
             tokens_run=run,
@@ -392,8 +408,8 @@ class HFConnector:
         produced = [token]
         device = next(self.model.parameters()).device
         for _ in range(max_new_tokens - 1):
-            step = self.model(torch.tensor([[token]], device=device), cache=cache, use_cache=True)
-            cache = step.cache
+            step = forward_with_cache(self.model, torch.tensor([[token]], device=device), cache)
+            cache = output_cache(step)
             token = int(step.logits[0, -1].argmax())
             produced.append(token)
         return produced

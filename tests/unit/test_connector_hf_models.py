@@ -14,7 +14,14 @@ import pytest
 import torch
 from hf_helpers import ARCHS, tiny_model
 
-from kvpool.connectors.hf import HFConnector, probe_cache_layout, spec_for_model, weights_revision
+from kvpool.connectors.hf import (
+    HFConnector,
+    forward_with_cache,
+    output_cache,
+    probe_cache_layout,
+    spec_for_model,
+    weights_revision,
+)
 from kvpool.connectors.pool_api import InProcessPool
 from kvpool.core.errors import InvalidArgument, SpecMismatch, UnsupportedModel
 
@@ -43,8 +50,8 @@ def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def own_two_step(model: Any, ids: torch.Tensor, split: int) -> torch.Tensor:
     """The engine's own cache (no pool): prefill ``ids[:split]``, then the rest on that cache."""
     with torch.no_grad():
-        cache = model(ids[:split].unsqueeze(0), use_cache=True).cache
-        return model(ids[split:].unsqueeze(0), cache=cache, use_cache=True).logits
+        cache = output_cache(model(ids[:split].unsqueeze(0), use_cache=True))
+        return forward_with_cache(model, ids[split:].unsqueeze(0), cache).logits
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
