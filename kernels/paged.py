@@ -343,14 +343,22 @@ def _run_layers(num_layers: int, workers: int, work: Callable[[range], None]) ->
 
     torch and numpy release the GIL while they copy, so two threads use both cores; one torch
     op is parallel inside only when it is big, and these ops are per (block or page slot, layer).
-    Layers write disjoint memory, so the threads need no locks.
+    Layers write disjoint memory, so the threads need no locks. torch's inference and grad
+    modes are per thread: the workers take the caller's, or an engine running under
+    ``torch.inference_mode`` (vLLM) could not write its inference tensors from them.
     """
     workers = max(1, min(workers, num_layers))
     if workers == 1:
         work(range(num_layers))
         return
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def in_callers_mode(layers: range) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            work(layers)
+
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(work, [range(w, num_layers, workers) for w in range(workers)]))
+        list(pool.map(in_callers_mode, [range(w, num_layers, workers) for w in range(workers)]))
 
 
 def _workers(workers: int | None, nbytes: int, path: str) -> int:

@@ -262,3 +262,19 @@ def test_convert_order_roundtrip_and_blocks_tokens_inverse() -> None:
     back = torch.zeros_like(blocks)
     tokens_to_blocks(toks, back, 1)
     assert torch.equal(back[:, 1], blocks[:, 1])
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_threaded_gather_and_scatter_under_inference_mode(order: str) -> None:
+    """vLLM runs its step under torch.inference_mode: worker threads must write its inference
+    tensors too (inference mode is per thread; found by tools/bench_vllm.py)."""
+    spec = KVSpec("m", 4, 2, 16, "float32", 8)
+    layout = PagedLayout(8, 2, 16, order)
+    with torch.inference_mode():
+        caches = [torch.randn(*layout.page_shape(2, 6)) for _ in range(spec.num_layers)]
+        out = torch.empty(3, *spec.block_shape)
+        gather_blocks(spec, layout, caches, [4, 0, 2], out, 3, strategy="direct", workers=2)
+        back = [torch.zeros_like(c) for c in caches]
+        scatter_blocks(spec, layout, out, back, [4, 0, 2], 3, strategy="direct", workers=2)
+    for c, b in zip(caches, back):
+        assert torch.equal(c[:, [4, 0, 2]], b[:, [4, 0, 2]])
