@@ -219,7 +219,16 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if self._logic is None or not self._registered:
             return
-        self._logic.start_load_kv(cast(ConnectorMetadata, meta))
+        try:
+            self._logic.start_load_kv(cast(ConnectorMetadata, meta))
+        except Exception:  # a bug of ours must not take the engine down: recompute, stop using the pool
+            self._fail_worker("a load")
+
+    def _fail_worker(self, what: str) -> None:
+        """Stop moving bytes on this worker after an unexpected error; every block this step
+        was to load is reported as a load error, so vLLM recomputes it (never wrong KV)."""
+        log.exception("kvpool: %s failed unexpectedly; this worker stops using the pool", what)
+        self._registered = False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv, before the forward
@@ -230,7 +239,10 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if self._logic is None or not self._registered:
             return
-        self._logic.wait_for_save(cast(ConnectorMetadata, self._get_connector_metadata()))
+        try:
+            self._logic.wait_for_save(cast(ConnectorMetadata, self._get_connector_metadata()))
+        except Exception:  # a lost save is a future miss, never an engine error
+            self._fail_worker("a save")
         self._write_stats()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
