@@ -306,3 +306,25 @@ def test_chunked_schedule_saves_each_full_prompt_block_once_in_order(
     first = 0
     assert saved == logic.pool.hashes(tokens)[first:full]  # type: ignore[attr-defined]
     assert pages == table[2 * first : 2 * full]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mqa_one_kv_head(backend: str) -> None:
+    spec = KVSpec("mqa", 2, 1, 4, "float32", 8)
+    pool = InProcessPool(spec)
+    gen = torch.Generator().manual_seed(9)
+    src = {f"model.layers.{i}.attn": torch.randn(8, 1, PAGE, 8, generator=gen) for i in range(2)}
+    producer = VllmPoolConnectorLogic(spec, pool, PAGE)
+    producer.register_kv_caches(src, backend)
+    plan = producer.plan_save("a", list(range(17)), [3, 1, 6, 0, 2], 0, 17)
+    assert plan is not None
+    producer.wait_for_save(producer.build_connector_meta([plan]))
+    assert producer.drain_saves()
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    consumer = VllmPoolConnectorLogic(spec, pool, PAGE)
+    consumer.register_kv_caches(dst, backend)
+    assert consumer.get_num_new_matched_tokens("b", list(range(17)), 0) == (16, False)
+    consumer.update_state_after_alloc("b", [4, 5, 7, 2, 0], 16)
+    consumer.start_load_kv(consumer.build_connector_meta([]))
+    for name in src:
+        assert torch.equal(dst[name][[4, 5, 7, 2]], src[name][[3, 1, 6, 0]])
