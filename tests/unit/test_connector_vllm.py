@@ -193,18 +193,19 @@ def test_unknown_backend_and_mismatched_caches_are_refused() -> None:
         VllmPoolConnectorLogic(SPEC, pool, 3)
 
 
-def test_tp_reader_loads_only_its_heads() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp_reader_loads_only_its_heads(backend: str) -> None:
     pool = InProcessPool(SPEC)
     tokens = list(range(9))
     src = caches(3)
-    writer = connected("FLASH_ATTN", pool, src)
+    writer = connected(backend, pool, src)
     plan = writer.plan_save("w", tokens, [0, 1, 2], 0, 9)
     assert plan is not None
     writer.wait_for_save(writer.build_connector_meta([plan]))
     assert writer.drain_saves()
     for rank in range(2):
         mine = {k: torch.zeros(16, 1, PAGE, 2 * SPEC.head_dim) for k in src}
-        reader = connected("FLASH_ATTN", pool, mine, tp_rank=rank, tp_size=2)
+        reader = connected(backend, pool, mine, tp_rank=rank, tp_size=2)
         assert reader.get_num_new_matched_tokens("r", tokens, 0) == (8, False)
         reader.update_state_after_alloc("r", [5, 6, 7], 8)
         reader.start_load_kv(reader.build_connector_meta([]))
@@ -214,7 +215,8 @@ def test_tp_reader_loads_only_its_heads() -> None:
             reader.wait_for_save(reader.build_connector_meta([plan]))
 
 
-def test_tp2_writer_saves_whole_blocks_through_head_allgather() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp2_writer_saves_whole_blocks_through_head_allgather(backend: str) -> None:
     pool = InProcessPool(SPEC)
     tokens = list(range(17))
     full = caches(4)  # what a TP=1 engine would hold: both heads
@@ -235,7 +237,7 @@ def test_tp2_writer_saves_whole_blocks_through_head_allgather() -> None:
     def rank_main(rank: int) -> None:
         try:
             mine = {k: v[:, rank : rank + 1].clone() for k, v in full.items()}
-            logic = connected("FLASH_ATTN", pool, mine, tp_rank=rank, tp_size=2, head_allgather=allgather_for(rank))
+            logic = connected(backend, pool, mine, tp_rank=rank, tp_size=2, head_allgather=allgather_for(rank))
             ranks.append(logic)
             plan = logic.plan_save("w", tokens, [3, 1, 0, 2, 5], 0, 17)
             assert plan is not None
@@ -251,7 +253,7 @@ def test_tp2_writer_saves_whole_blocks_through_head_allgather() -> None:
     assert not errors
     assert all(r.drain_saves() for r in ranks)
     reference = InProcessPool(SPEC)
-    tp1 = connected("FLASH_ATTN", reference, full)
+    tp1 = connected(backend, reference, full)
     plan = tp1.plan_save("w", tokens, [3, 1, 0, 2, 5], 0, 17)
     assert plan is not None
     tp1.wait_for_save(tp1.build_connector_meta([plan]))
@@ -328,3 +330,4 @@ def test_mqa_one_kv_head(backend: str) -> None:
     consumer.start_load_kv(consumer.build_connector_meta([]))
     for name in src:
         assert torch.equal(dst[name][[4, 5, 7, 2]], src[name][[3, 1, 6, 0]])
+
