@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from kvpool.client.blocks import block_rows
-from kvpool.client.pool_client import PoolClient, PutResult, hello_request
+from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hello_request
 from kvpool.core.errors import InvalidArgument, KVPoolError
 from kvpool.core.hashing import block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
@@ -96,6 +96,8 @@ class ClusterClient:
             "failed_runs": 0,
             "retried_runs": 0,
             "replicated_blocks": 0,
+            "reported_corrupt": 0,  # blocks that arrived failing their checksum, reported to their node
+            "dropped_corrupt": 0,  # of those, how many the node found bad too and dropped
         }
 
     @classmethod
@@ -250,6 +252,8 @@ class ClusterClient:
             items = [ReadItem(h, byte_range[0], byte_range[1]) for h in hashes]
         result = self.transport.read(holder.data_address, self._ns, items, [rows[start + i] for i in range(n)])
         self.counters["remote_blocks"] += result.ok
+        if result.corrupt_index >= 0:
+            self._report_corrupt(holder, hashes[result.corrupt_index])
         if result.ok and self.replicate_after > 0 and byte_range is None:
             self._count_remote(hashes[: result.ok], rows[start : start + result.ok])
         return result.ok
@@ -349,6 +353,27 @@ class ClusterClient:
                 self.counters["replicated_blocks"] += result.stored
             except KVPoolError as err:
                 log.info("replicating %d hot blocks locally failed: %s", len(hot), err)
+
+    def _report_corrupt(self, holder: Holder, block_hash: bytes) -> None:
+        """A block from ``holder`` arrived failing its checksum: tell its node, which
+        re-verifies it in its arena and drops it only if it is bad there (damage on the wire
+        drops nothing); its REMOVED event then drops this holder from the directory. Rare, so
+        one short-lived channel per report; a failed report is logged, never raised."""
+        try:
+            self._hello(holder)
+            channel = grpc.insecure_channel(holder.control_address, options=channel_options(64 << 20))
+            try:
+                request = hashes_request(self._ns, [block_hash], [], 0)
+                reply = pool_pb2_grpc.PoolStub(channel).ReportCorrupt(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, holder.control_address) from None
+            finally:
+                channel.close()
+        except KVPoolError as err:
+            log.warning("could not report a corrupt block to node %s: %s", holder.node_id, err)
+            return
+        self.counters["reported_corrupt"] += 1
+        self.counters["dropped_corrupt"] += int(reply.dropped)
 
     # -- writes --------------------------------------------------------------------------
     def _hello(self, holder: Holder) -> None:

@@ -1,0 +1,169 @@
+"""A bad block heals, and the counters are true (issue 11, items 2 and 3), on a real daemon.
+
+Healing: bytes flipped in the arena after commit make the next read a miss; the reader
+reports the block (``ReportCorrupt``), the daemon re-verifies it, drops it, counts it in
+``checksum_failures``, stops counting it in lookups and sends REMOVED; the engine's re-put
+stores fresh bytes and the next read hits. A report on a good block, or on another
+namespace's block, drops nothing.
+
+Counters: exact lookup and read counts (blocks, tokens, per tier, per namespace, hit rate)
+after a known sequence of calls, and what ``kvpool inspect stats`` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import grpc
+import numpy as np
+from conftest import REPO_ROOT, DaemonHandle
+
+from kvpool import KVSpec, PoolClient
+from kvpool.core.hashing import pack_hashes
+from kvpool.core.spec import Namespace
+from kvpool.proto import pool_pb2, pool_pb2_grpc
+
+SPEC = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+TOKENS = list(range(3000, 3000 + 16 * 6))  # 6 full blocks
+
+
+def make_blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**16, size=(n, *SPEC.block_shape), dtype=np.uint16).view(np.float16)
+
+
+def stats(address: str, namespace: bytes = b"") -> dict[str, Any]:
+    with grpc.insecure_channel(address) as channel:
+        reply = pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(namespace=namespace), timeout=10)
+    return dict(json.loads(reply.json))
+
+
+def arena_offsets(address: str, namespace: Namespace, hashes: list[bytes]) -> list[int]:
+    """Where the blocks sit in the arena (a lease, released at once; counted as one read)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pool_pb2_grpc.PoolStub(channel)
+        reply = stub.Lease(pool_pb2.HashesRequest(namespace=namespace.digest(), hashes=pack_hashes(hashes)), timeout=10)
+        stub.Release(pool_pb2.ReleaseRequest(lease_ids=[reply.lease_id]), timeout=10)
+    return list(reply.offsets)
+
+
+def events_from(address: str, namespace: bytes, from_seq: int) -> list[pool_pb2.Event]:
+    """This namespace's events from ``from_seq`` on, as many as arrive within 2 s."""
+    out: list[pool_pb2.Event] = []
+    with grpc.insecure_channel(address) as channel:
+        stream = pool_pb2_grpc.PoolStub(channel).Events(
+            pool_pb2.EventsRequest(from_seq=from_seq, namespace=namespace), timeout=2
+        )
+        try:
+            out.extend(stream)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+    return out
+
+
+def test_a_corrupted_arena_block_is_reported_dropped_counted_and_healed_by_the_next_put(
+    pool_daemon: DaemonHandle,
+) -> None:
+    address = pool_daemon.address
+    blocks = make_blocks(4, seed=21)
+    with PoolClient.connect(address, SPEC, salt=b"tenant-a") as client:
+        hashes = client.hashes(TOKENS)[:4]
+        assert client.put(hashes, blocks).stored == 4
+        seq_after_put, _ = client.snapshot()
+        client.arena[arena_offsets(address, client.namespace, hashes)[2] + 100] ^= 0x5A  # rot after commit
+
+        got = client.get(hashes)
+        assert got.shape[0] == 2 and got.tobytes() == blocks[:2].tobytes()  # a miss from block 2 on
+        s = stats(address)
+        assert s["checksum_failures"] == 1 and s["blocks"] == 3
+        assert client.lookup(hashes) == 2  # the daemon no longer counts block 2
+        _, held = client.snapshot()
+        assert hashes[2] not in held and hashes[3] in held
+        events = events_from(address, client.namespace.digest(), seq_after_put + 1)
+        assert [(e.kind, e.hashes) for e in events] == [("removed", hashes[2])]
+
+        healed = client.put(hashes, blocks)  # the engine recomputed and re-puts: fresh bytes stored
+        assert (healed.stored, healed.already_present) == (1, 3)
+        again = client.get(hashes)
+        assert again.shape[0] == 4 and again.tobytes() == blocks.tobytes()
+        assert stats(address)["checksum_failures"] == 1
+
+
+def test_a_false_report_or_a_report_for_another_namespace_drops_nothing(pool_daemon: DaemonHandle) -> None:
+    address = pool_daemon.address
+    blocks = make_blocks(4, seed=22)
+    with (
+        PoolClient.connect(address, SPEC, salt=b"tenant-a") as a,
+        PoolClient.connect(address, SPEC, salt=b"tenant-b") as b,
+    ):
+        hashes = a.hashes(TOKENS)[:4]
+        a.put(hashes, blocks)
+        assert a.report_corrupt(hashes) == 0  # every block verifies: a report alone drops nothing
+        assert a.lookup(hashes) == 4 and stats(address)["checksum_failures"] == 0
+
+        a.arena[arena_offsets(address, a.namespace, hashes)[1] + 7] ^= 0xFF  # A's block 1 really is bad
+        assert b.report_corrupt(hashes) == 0  # B's report names B || hash: none of A's blocks
+        raw = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=pack_hashes(hashes))
+        with grpc.insecure_channel(address) as channel:
+            assert pool_pb2_grpc.PoolStub(channel).ReportCorrupt(raw, timeout=10).dropped == 0
+        assert a.lookup(hashes) == 4 and stats(address)["checksum_failures"] == 0
+
+        assert a.report_corrupt([hashes[1]]) == 1  # A's own report: re-verified, bad, dropped
+        assert a.lookup(hashes) == 1 and stats(address)["checksum_failures"] == 1
+        assert a.report_corrupt([hashes[1]]) == 0  # already gone: nothing more to drop
+
+
+def test_lookup_and_read_counters_are_exact(pool_daemon: DaemonHandle) -> None:
+    address = pool_daemon.address
+    bt = SPEC.block_tokens
+    with (
+        PoolClient.connect(address, SPEC, salt=b"tenant-a") as a,
+        PoolClient.connect(address, SPEC, salt=b"tenant-b") as b,
+    ):
+        hashes = a.hashes(TOKENS)  # 6 blocks
+        before = stats(address)
+        assert before["lookup_hit_rate"] is None and before["lookup_missed_blocks"] == 0
+
+        assert a.lookup(hashes) == 0  # cold: 6 missed, nothing hit
+        s = stats(address)
+        assert (s["lookup_calls"], s["lookup_hit_blocks"], s["lookup_missed_blocks"]) == (1, 0, 6)
+        assert s["lookup_missed_tokens"] == 6 * bt and s["lookup_hit_rate"] == 0.0
+
+        a.put(hashes[:4], make_blocks(4, seed=23))
+        assert a.lookup(hashes) == 4  # 4 hit (host), 2 missed
+        assert a.lookup([*hashes[:4], hashes[5]]) == 4  # 4 hit, 1 missed
+        assert b.lookup(hashes) == 0  # B's namespace: 6 missed (its keys are B || hash)
+
+        out = np.empty((6, *SPEC.block_shape), dtype=np.float16)
+        assert a.get(hashes[:4]).shape[0] == 4  # one read of 4 blocks
+        assert a.get_into(hashes[:4], out) == 4  # another read of the same 4
+        assert a.get_into(hashes, out) == 4  # 4 served, 2 not
+
+        s = stats(address, a.namespace.digest())
+        assert (s["lookup_calls"], s["lookup_hit_blocks"], s["lookup_missed_blocks"]) == (4, 8, 15)
+        assert (s["lookup_hit_tokens"], s["lookup_missed_tokens"]) == (8 * bt, 15 * bt)
+        assert s["lookup_hit_blocks_by_tier"] == {"host": 8, "device": 0, "disk": 0}
+        assert s["lookup_hit_tokens_by_tier"]["host"] == 8 * bt
+        assert s["lookup_hit_rate"] == 8 / 23
+        assert (s["read_calls"], s["read_hit_blocks"], s["read_missed_blocks"]) == (3, 12, 2)
+        assert (s["read_hit_tokens"], s["read_missed_tokens"]) == (12 * bt, 2 * bt)
+        assert (s["hits"], s["misses"]) == (12, 2)  # the store's read counters agree
+
+        by_digest = {ns["digest"]: ns for ns in s["namespaces"]}  # loopback: the admin view lists both
+        mine = by_digest[a.namespace.digest().hex()]  # A's entry: only A's calls
+        assert (mine["lookup_calls"], mine["lookup_hit_blocks"], mine["lookup_missed_blocks"]) == (3, 8, 9)
+        assert mine["lookup_hit_rate"] == 8 / 17
+        assert (mine["read_calls"], mine["read_hit_blocks"], mine["read_missed_blocks"]) == (3, 12, 2)
+        theirs = by_digest[b.namespace.digest().hex()]
+        assert (theirs["lookup_calls"], theirs["lookup_hit_blocks"], theirs["lookup_missed_blocks"]) == (1, 0, 6)
+        assert theirs["lookup_hit_rate"] == 0.0 and theirs["read_calls"] == 0
+
+    human = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "inspect", "stats", "--address", address],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert human.returncode == 0, human.stderr
+    assert "34.8% (8 of 23 blocks)" in human.stdout  # hit rate (lookups)
+    assert "lookup misses (blocks)" in human.stdout and "host=8" in human.stdout
