@@ -477,17 +477,24 @@ class TieredStore:
             return 0, set()
         blocks: list[DiskBlock | None] = [None] * len(run)
         from_disk: list[int] = []
+        device_failed: list[bytes] = []  # in HBM, failed its check there (device.get dropped it)
         for i, key in enumerate(run):
-            got = self.device.get(key) if self.device is not None and self.device.contains(key) else None
+            in_device = self.device is not None and self.device.contains(key)
+            got = self.device.get(key) if self.device is not None and in_device else None
             if got is not None:
                 namespace, checksum, data = got
                 blocks[i] = DiskBlock(key, namespace, checksum, data)
             else:
+                if in_device:
+                    device_failed.append(key)
                 from_disk.append(i)
         if from_disk and self.disk is not None:
             got = self.disk.read_many([run[i] for i in from_disk])
             for i, block in zip(from_disk, got, strict=True):
                 blocks[i] = block
+        gone = [k for k in device_failed if self.host.entry(k) is None and not self._lower_has(k)]
+        if gone:  # the device tier drops a bad copy silently: the node no longer holds it
+            self._emit(EventKind.REMOVED, gone, b"")
         # leading run of blocks of one namespace and size (one host put); no checksum pass
         # here: device.get and disk reads verify their private copies (a disk queue hit was
         # verified before it was queued), and put_commit verifies the bytes again in host

@@ -297,6 +297,25 @@ def test_device_tier_on_cpu_takes_hot_blocks_and_demotes_back(tmp_path: pathlib.
     assert h.store.summary()["tiers"]["device"]["hits"] >= 1
 
 
+def test_a_corrupt_device_only_block_is_a_miss_counted_and_removed(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("torch")
+    h = Harness(None, device_capacity_bytes=1 << 18, device="cpu", device_high_watermark=1.0, device_low_watermark=1.0)
+    device = h.store.device
+    assert device is not None
+    h.put([1, 2])
+    for _ in range(2):
+        assert h.get([1, 2]) == 2  # second hit: copied to the device tier
+    h.store.host.remove([key(2)])
+    assert h.store.tier_of(key(2)) == "device" and h.store.lookup_by_tier([key(1), key(2)]) == {"host": 1, "device": 1}
+    offset = device._index[key(2)].offset
+    device.arena[offset + 9] = int(device.arena[offset + 9]) ^ 0x11
+    h.events.clear()
+    assert h.get([2]) == 0
+    assert h.store.lookup([key(2)]) == 0 and h.removed() == {key(2)}
+    s = h.store.summary()
+    assert s["tiers"]["device"]["checksum_failures"] == 1 and s["checksum_failures"] == 1
+
+
 def test_device_tier_on_cpu_needs_the_test_switch() -> None:
     pytest.importorskip("torch")
     buffer = np.zeros(HOST.capacity_bytes, np.uint8)
