@@ -188,3 +188,9 @@ def test_lookup_and_read_counters_are_exact(pool_daemon: DaemonHandle) -> None:
     assert human.returncode == 0, human.stderr
     assert "34.8% (8 of 23 blocks)" in human.stdout  # hit rate (lookups)
     assert "lookup misses (blocks)" in human.stdout and "host=8" in human.stdout
+    top = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "top", "--iterations", "1", "--address", address],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert top.returncode == 0, top.stderr
+    assert "lookup hit rate 34.8% (8 of 23 blocks)" in top.stdout
