@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
+import lmdb
 import numpy as np
-from conftest import REPO_ROOT, DaemonHandle
+from conftest import REPO_ROOT, DaemonHandle, start_daemon
 
 from kvpool import KVSpec, PoolClient
 from kvpool.client.async_client import AsyncPoolClient
@@ -194,3 +199,69 @@ def test_lookup_and_read_counters_are_exact(pool_daemon: DaemonHandle) -> None:
     )  # fmt: skip
     assert top.returncode == 0, top.stderr
     assert "lookup hit rate 34.8% (8 of 23 blocks)" in top.stdout
+
+
+DISK_SPEC = KVSpec(model="heal-disk", num_layers=1, num_kv_heads=1, head_dim=64, dtype="float32", block_tokens=16)
+
+
+def test_a_block_corrupted_on_disk_is_dropped_counted_removed_and_healed(tmp_path: Path) -> None:
+    """The disk tier through a real daemon: a 1 MiB host demotes the first blocks of a
+    200-block prompt to disk; one of them is damaged in its slab file; its promotion fails the
+    check: a miss, counted, REMOVED, no longer looked up; the re-put stores it and it hits."""
+    disk_dir = tmp_path / "disk"
+    daemon = start_daemon(
+        "--slab-bytes", "262144", "--disk-dir", str(disk_dir), "--disk-capacity-bytes", str(64 << 20),
+        "--disk-slab-file-bytes", str(8 << 20), capacity="1MiB",
+    )  # fmt: skip
+    try:
+        rng = np.random.default_rng(25)
+        data = rng.standard_normal((200, *DISK_SPEC.block_shape)).astype(np.float32)
+        with PoolClient.connect(daemon.address, DISK_SPEC, salt=b"tenant-a") as client:
+            hashes = client.hashes(np.arange(200 * DISK_SPEC.block_tokens))
+            for start in range(0, 200, 50):
+                assert client.put(hashes[start : start + 50], data[start : start + 50]).stored == 50
+            key = client.namespace.digest() + hashes[0]  # the least recently used: on disk only
+            assert eventually(lambda: disk_entry(disk_dir, key) is not None)
+            f, offset = disk_entry(disk_dir, key) or (0, 0)
+            with (disk_dir / "slabs" / f"slab-{f:05d}.kvd").open("r+b") as fh:
+                fh.seek(offset + 100)
+                fh.write(b"\xde\xad\xbe\xef")
+            assert client.lookup(hashes[:1]) == 1  # still listed: nothing has read it yet
+
+            assert client.get(hashes[:1]).shape[0] == 0  # its promotion fails the check: a miss
+            s = stats(daemon.address)
+            assert s["checksum_failures"] == 1 and s["tiers"]["disk"]["checksum_failures"] == 1
+            assert client.lookup(hashes[:1]) == 0
+            removed = [e for e in events_from(daemon.address, client.namespace.digest(), 1) if e.kind == "removed"]
+            assert any(hashes[0] in [e.hashes[i : i + 16] for i in range(0, len(e.hashes), 16)] for e in removed)
+
+            assert client.put(hashes[:1], data[:1]).stored == 1  # fresh bytes, not already_present
+            again = client.get(hashes[:1])
+            assert again.shape[0] == 1 and again.tobytes() == data[0].tobytes()
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def disk_entry(disk_dir: Path, key: bytes) -> tuple[int, int] | None:
+    """(slab file, offset) of ``key`` in the disk index, read straight from LMDB."""
+    env = lmdb.open(str(disk_dir / "index.lmdb"), max_dbs=2, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+            value = txn.get(key)
+    finally:
+        env.close()
+    if value is None:
+        return None
+    f, offset = struct.unpack_from("<IQ", value)
+    return int(f), int(offset)
+
+
+def eventually(condition: Callable[[], bool], bound_s: float = 20.0) -> bool:
+    """Poll a condition (behaviour, not timing: the bound only stops a hung test)."""
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
