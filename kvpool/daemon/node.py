@@ -174,6 +174,13 @@ class PoolNode:
         self.counters.count_read(info.digest, info.spec.block_tokens, len(grant.locations), len(keys))
         return grant
 
+    def count_read(self, namespace: bytes, served_blocks: int, asked_blocks: int) -> None:
+        """Count one data-plane read (a peer's lease). A namespace not registered here is
+        not counted: the data server refuses it before leasing (and it reads nothing)."""
+        info = self._namespaces.get(namespace)
+        if info is not None:
+            self.counters.count_read(namespace, info.spec.block_tokens, served_blocks, asked_blocks)
+
     def drop_corrupt(self, info: NamespaceInfo, keys: Sequence[bytes]) -> int:
         """A reader says these blocks of its namespace failed their checksum: re-verify each
         against its committed checksum and drop the ones that really are bad (counted in
