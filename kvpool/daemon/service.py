@@ -41,6 +41,9 @@ MAX_RELEASE_IDS_PER_CALL = 4096
 MAX_STATS_NAMESPACES = 256
 #: longest hash_scheme / protocol_version string a Hello may carry, in bytes
 MAX_VERSION_STRING_BYTES = 64
+#: blocks one ReportCorrupt may name: the daemon checksums each under the host lock, so a
+#: tenant must not make it hash a whole batch; readers report one block per failed read
+MAX_CORRUPT_REPORT_BLOCKS = 16
 #: fixed room in a request besides its hashes / ids / checksums (namespace, flags, framing)
 REQUEST_OVERHEAD_BYTES = 64 << 10
 
@@ -188,6 +191,11 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         """A reader found these blocks failing their checksum: the node re-verifies them (a
         report alone never drops a block) and drops only the bad ones of this namespace."""
         info, keys = self._keys(request)
+        if len(keys) > MAX_CORRUPT_REPORT_BLOCKS:
+            raise InvalidArgument(
+                f"{len(keys)} blocks reported corrupt in one call; the limit is {MAX_CORRUPT_REPORT_BLOCKS}",
+                hint="report the first block that failed its checksum (nothing after it was checked)",
+            )
         self._release(request.release_lease_ids)
         return pool_pb2.ReportCorruptReply(dropped=self.node.drop_corrupt(info, keys))
 

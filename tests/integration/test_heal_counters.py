@@ -139,6 +139,15 @@ def test_a_false_report_or_a_report_for_another_namespace_drops_nothing(pool_dae
         assert a.report_corrupt([hashes[1]]) == 1  # A's own report: re-verified, bad, dropped
         assert a.lookup(hashes) == 1 and stats(address)["checksum_failures"] == 1
         assert a.report_corrupt([hashes[1]]) == 0  # already gone: nothing more to drop
+        many = a.hashes(list(range(16 * 17)))  # 17 blocks: more than one report may name
+        assert a.report_corrupt(many) == 0  # refused (InvalidArgument, logged), nothing dropped
+        raw_many = pool_pb2.HashesRequest(namespace=a.namespace.digest(), hashes=pack_hashes(many))
+        with grpc.insecure_channel(address) as channel:
+            try:
+                pool_pb2_grpc.PoolStub(channel).ReportCorrupt(raw_many, timeout=10)
+                raise AssertionError("a report of 17 blocks must be refused")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit is 16" in str(exc.details())
 
 
 def test_lookup_and_read_counters_are_exact(pool_daemon: DaemonHandle) -> None:
