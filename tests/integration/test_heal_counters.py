@@ -274,3 +274,41 @@ def eventually(condition: Callable[[], bool], bound_s: float = 20.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_the_reference_engine_recomputes_a_corrupted_block_once_and_then_hits_again(
+    pool_daemon: DaemonHandle,
+) -> None:
+    """End to end (issue 11: "the next request after a recompute hits again"): the reference
+    engine stores a prompt, a block rots in the arena, the next request reads a prefix up
+    to it, recomputes the rest and re-puts the rotten block, and the request after that hits
+    every usable block; every output equals the first one."""
+    import torch
+
+    from kvpool.engine.engine import Engine, EngineConfig, SamplingParams
+    from kvpool.engine.model import ModelConfig, RefModel
+
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
+    model = RefModel(mc)
+    config = EngineConfig(num_pages=64, page_tokens=4, block_tokens=8)
+    prompt = torch.randint(0, mc.vocab_size, (41,), generator=torch.Generator().manual_seed(4)).tolist()
+    with PoolClient.connect(pool_daemon.address, model.kv_spec(8)) as pool:
+
+        def run(rid: str) -> tuple[Engine, Any]:
+            engine = Engine(mc, config, pool, model=model)
+            req = engine.add_request(rid, prompt, SamplingParams(3))
+            engine.run_until_done()
+            return engine, req
+
+        _, first = run("a")
+        hashes = pool.hashes(prompt)
+        assert pool.lookup(hashes) == 5
+        pool.arena[arena_offsets(pool_daemon.address, pool.namespace, hashes)[2] + 3] ^= 0x08
+
+        engine, second = run("b")  # blocks 0-1 read; 2 fails: recomputed, reported, re-put
+        assert engine.load_errors == 3 and second.hit_tokens == 16 and second.output == first.output
+        assert stats(pool_daemon.address)["checksum_failures"] == 1
+
+        engine, third = run("c")  # the usable blocks (0-4: the last prompt token always runs) all hit
+        assert engine.load_errors == 0 and third.hit_tokens == 40 and third.output == first.output
