@@ -1,7 +1,8 @@
 """Look inside a running pool.
 
   kvpool inspect stats [--json]        capacity, used, blocks, hits, misses, evictions, ...
-  kvpool inspect namespaces [--json]   the KV specs (namespaces) the node serves
+  kvpool inspect namespaces [--json]   the KV specs (namespaces) the node serves, each with
+                                       its lookup hit rate (docs/architecture.md "Counters")
   kvpool inspect events [--from-seq N] [--count N]   follow stored/removed events
   kvpool inspect blocks [--limit N]    block hashes the node holds (hex)
 
@@ -129,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(namespaces, indent=2))
                 else:
                     for ns in namespaces:
-                        print(f"{ns['digest']}  {ns['spec']}  ({human_bytes(ns['block_bytes'])} per block)")
+                        print(
+                            f"{ns['digest']}  {ns['spec']}  ({human_bytes(ns['block_bytes'])} per block)  "
+                            f"lookup hit rate {hit_rate_text(ns)}"
+                        )
             elif args.what == "blocks":
                 last_seq, hashes = admin.snapshot()
                 shown = [h.hex() for h in hashes[: args.limit]]
