@@ -152,8 +152,12 @@ class ClusterClient:
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
         return block_hashes(self.namespace, token_ids, extras)
 
-    def locate(self, hashes: Sequence[bytes], lease_ms: int = 0) -> tuple[list[list[Holder]], int]:
-        """Per leading cached block, its holders; plus the directory lease id (0 if none)."""
+    def locate(
+        self, hashes: Sequence[bytes], lease_ms: int = 0, for_read: bool = False
+    ) -> tuple[list[list[Holder]], int]:
+        """Per leading cached block, its holders; plus the directory lease id (0 if none).
+        ``for_read``: this locate is a read's (the directory counts it apart from lookups, so
+        an engine's lookup followed by its read is one lookup)."""
         if not hashes:
             return [], 0
         reply = self.link.call(
@@ -163,6 +167,7 @@ class ClusterClient:
                 hashes=pack_hashes(hashes),
                 lease_ms=lease_ms,
                 client_node=self.local.node_id if self.local else "",
+                for_read=for_read,
             ),
         )
         nodes = [Holder.of(n) for n in reply.nodes]
@@ -285,7 +290,7 @@ class ClusterClient:
         if not hashes:
             return 0
         try:
-            holders, _ = self.locate(hashes)
+            holders, _ = self.locate(hashes, for_read=True)
         except KVPoolError as err:
             log.warning("directory lookup failed (%s): every block is a miss", err)
             return 0
