@@ -239,7 +239,10 @@ class TcpDataServer:
         if rotten:
             # the store hides a leased block at once and frees its slot at the last release,
             # so the views of the good blocks before it stay valid
-            self._store.drop_corrupt(namespace, rotten)
+            try:
+                self._store.drop_corrupt(namespace, rotten)
+            except KVPoolError as err:  # e.g. the namespace was retired meanwhile: still serve the rest
+                log.warning("data plane: could not drop rotten block %s: %s", rotten[0].hex(), err)
         return grant.lease_id, views, metas
 
     def _serve_read(self, conn: socket.socket, count: int, namespace: bytes) -> None:
