@@ -165,18 +165,20 @@ class PoolNode:
         """How many leading blocks of ``keys`` (this namespace's) the node holds, counted as
         one lookup (hits per tier, misses) in ``counters``."""
         by_tier = self.store.lookup_by_tier(keys)
-        self.counters.count_lookup(info.digest, info.spec.block_tokens, by_tier, len(keys))
+        if self._namespaces.get(info.digest) is info:  # retired meanwhile: its counters are gone
+            self.counters.count_lookup(info.digest, info.spec.block_tokens, by_tier, len(keys))
         return sum(by_tier.values())
 
     def lease(self, info: NamespaceInfo, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading blocks of ``keys`` for a reader, counted as one read."""
         grant = self.store.lease(keys)
-        self.counters.count_read(info.digest, info.spec.block_tokens, len(grant.locations), len(keys))
+        self.count_read(info.digest, len(grant.locations), len(keys))
         return grant
 
     def count_read(self, namespace: bytes, served_blocks: int, asked_blocks: int) -> None:
-        """Count one data-plane read (a peer's lease). A namespace not registered here is
-        not counted: the data server refuses it before leasing (and it reads nothing)."""
+        """Count one read. A namespace not registered (any more) is not counted, so the
+        per-namespace counters stay bounded by the namespace table (a data-plane read of an
+        unknown namespace is refused before it leases anything)."""
         info = self._namespaces.get(namespace)
         if info is not None:
             self.counters.count_read(namespace, info.spec.block_tokens, served_blocks, asked_blocks)
