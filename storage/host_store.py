@@ -178,6 +178,47 @@ class HostStore:
                 n += 1
             return n
 
+    def lookup_by_tier(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """``lookup`` with the tier holding each block of the leading run: here, all "host"
+        (the daemon counts lookup hits per tier with it, docs/architecture.md "Counters")."""
+        return {"host": self.lookup(keys)}
+
+    def drop_corrupt(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Re-verify the named blocks against their committed checksums and drop those whose
+        bytes no longer match (counted in ``checksum_failures``, REMOVED sent), so the next
+        put stores fresh bytes. A reader's report is never trusted by itself: a block that
+        verifies is kept, whoever says otherwise (its lease may have expired and its slot
+        been reused, or the bytes may have been damaged on the wire). Returns the dropped keys."""
+        self._check_batch(keys)
+        with self._lock:
+            dropped = self.corrupt_keys(keys)
+            namespace = b""
+            for key in dropped:
+                entry = self._index[key]
+                self._policy.on_remove(key)
+                namespace = entry.namespace
+                self._unindex(entry)  # a leased block is hidden now and freed at its last release
+            self.stats.checksum_failures += len(dropped)
+            self.stats.removed += len(dropped)  # as TieredStore.drop_corrupt counts it (it removes)
+            if dropped:
+                self._emit(EventKind.REMOVED, dropped, namespace)
+            return dropped
+
+    def corrupt_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The named blocks held here whose bytes no longer match their committed checksum
+        (checked, not dropped: the tiered store drops them from every tier)."""
+        self._check_batch(keys)
+        with self._lock:
+            bad: list[bytes] = []
+            for key in dict.fromkeys(keys):
+                entry = self._index.get(key)
+                if entry is not None and not self._intact(entry):
+                    bad.append(key)
+            return bad
+
+    def _intact(self, entry: Entry) -> bool:
+        return checksum64(self._buffer[entry.offset : entry.offset + entry.size]) == entry.checksum
+
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys for reading; their bytes stay put until release."""
         self._check_batch(keys)

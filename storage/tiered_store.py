@@ -175,6 +175,35 @@ class TieredStore:
             n += 1
         return n
 
+    def lookup_by_tier(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """``lookup``, with how many blocks of the leading run each tier holds (the fastest
+        copy, in the read order host, device, disk). Does not lease or promote."""
+        by_tier = {"host": self.host.lookup(keys)}
+        n = by_tier["host"]
+        while n < len(keys):
+            key = keys[n]
+            if self.device is not None and self.device.contains(key):
+                tier = "device"
+            elif self.disk is not None and self.disk.contains(key):
+                tier = "disk"
+            else:
+                break
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+            n += 1
+        return by_tier
+
+    def drop_corrupt(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Re-verify the named host blocks (what readers read) and drop each one whose bytes
+        no longer match its committed checksum from every tier, with one REMOVED, so the next
+        put stores fresh bytes (a lower tier's copy goes too: the block is rewritten whole).
+        A block that verifies is kept, whatever the reader said. Returns the dropped keys."""
+        bad = self.host.corrupt_keys(keys)
+        if bad:
+            with self._lock:
+                self.host_stats.checksum_failures += len(bad)
+            self.remove(bad)
+        return bad
+
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys, promoting host misses held by another tier first."""
         grant = self.host.lease(keys)
@@ -396,6 +425,9 @@ class TieredStore:
         else:
             tiers["device"] = {"enabled": False, "fault": self.device_fault}
         out["tiers"] = tiers
+        # every tier's failed checks: host (at commit, on eviction, reported by readers),
+        # disk and device (on their reads); each such block was dropped
+        out["checksum_failures"] = sum(int(t.get("checksum_failures", 0)) for t in tiers.values())
         out["hits"] = host["hits"] + host["lower_hits"]  # blocks served through leases, any tier
         out["misses"] = host["misses"] - host["lower_hits"]  # asked for and not served by any tier
         return out
@@ -445,17 +477,24 @@ class TieredStore:
             return 0, set()
         blocks: list[DiskBlock | None] = [None] * len(run)
         from_disk: list[int] = []
+        device_failed: list[bytes] = []  # in HBM, failed its check there (device.get dropped it)
         for i, key in enumerate(run):
-            got = self.device.get(key) if self.device is not None and self.device.contains(key) else None
+            in_device = self.device is not None and self.device.contains(key)
+            got = self.device.get(key) if self.device is not None and in_device else None
             if got is not None:
                 namespace, checksum, data = got
                 blocks[i] = DiskBlock(key, namespace, checksum, data)
             else:
+                if in_device:
+                    device_failed.append(key)
                 from_disk.append(i)
         if from_disk and self.disk is not None:
             got = self.disk.read_many([run[i] for i in from_disk])
             for i, block in zip(from_disk, got, strict=True):
                 blocks[i] = block
+        gone = [k for k in device_failed if self.host.entry(k) is None and not self._lower_has(k)]
+        if gone:  # the device tier drops a bad copy silently: the node no longer holds it
+            self._emit(EventKind.REMOVED, gone, b"")
         # leading run of blocks of one namespace and size (one host put); no checksum pass
         # here: device.get and disk reads verify their private copies (a disk queue hit was
         # verified before it was queued), and put_commit verifies the bytes again in host

@@ -1,7 +1,8 @@
 """Look inside a running pool.
 
   kvpool inspect stats [--json]        capacity, used, blocks, hits, misses, evictions, ...
-  kvpool inspect namespaces [--json]   the KV specs (namespaces) the node serves
+  kvpool inspect namespaces [--json]   the KV specs (namespaces) the node serves, each with
+                                       its lookup hit rate (docs/architecture.md "Counters")
   kvpool inspect events [--from-seq N] [--count N]   follow stored/removed events
   kvpool inspect blocks [--limit N]    block hashes the node holds (hex)
 
@@ -25,9 +26,14 @@ STAT_ROWS = [
     ("capacity_bytes", "capacity"),
     ("used_bytes", "used"),
     ("blocks", "blocks"),
-    ("hits", "hits (blocks read)"),
-    ("misses", "misses (blocks asked, not held)"),
-    ("lookups", "lookups"),
+    ("lookup_calls", "lookups (calls)"),
+    ("lookup_hit_blocks", "lookup hits (blocks)"),
+    ("lookup_missed_blocks", "lookup misses (blocks)"),
+    ("lookup_hit_tokens", "lookup hits (tokens)"),
+    ("lookup_missed_tokens", "lookup misses (tokens)"),
+    ("read_calls", "reads (calls)"),
+    ("read_hit_blocks", "reads served (blocks)"),
+    ("read_missed_blocks", "reads not served (blocks)"),
     ("puts", "blocks stored"),
     ("skipped_present", "puts skipped (present)"),
     ("evictions", "evictions"),
@@ -59,6 +65,17 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def hit_rate_text(stats: dict[str, Any]) -> str:
+    """Lookup hit blocks / looked-up blocks (docs/architecture.md "Counters"); "n/a" before
+    the first lookup, never a 100% made of nothing."""
+    rate = stats.get("lookup_hit_rate")
+    if rate is None:
+        return "n/a (nothing looked up yet)"
+    hit = stats.get("lookup_hit_blocks", 0)
+    looked = hit + stats.get("lookup_missed_blocks", 0)
+    return f"{100.0 * rate:.1f}% ({hit} of {looked} blocks)"
+
+
 def render_stats(stats: dict[str, Any]) -> str:
     lines = [f"node {stats.get('node_id', '?')}  scheme {stats.get('hash_scheme', '?')}"]
     capacity = stats.get("capacity_bytes", 0) or 1
@@ -73,9 +90,11 @@ def render_stats(stats: dict[str, Any]) -> str:
         else:
             text = str(value)
         lines.append(f"  {label:<34} {text}")
-    looked = stats.get("hits", 0) + stats.get("misses", 0)
-    if looked:
-        lines.append(f"  {'hit rate':<34} {100.0 * stats['hits'] / looked:.1f}%")
+    lines.append(f"  {'hit rate (lookups)':<34} {hit_rate_text(stats)}")
+    by_tier = stats.get("lookup_hit_blocks_by_tier") or {}
+    if by_tier:
+        parts = ", ".join(f"{tier}={n}" for tier, n in by_tier.items())
+        lines.append(f"  {'lookup hits by tier (blocks)':<34} {parts}")
     for tier, tier_stats in sorted((stats.get("tiers") or {}).items()):
         parts = ", ".join(f"{k}={v}" for k, v in sorted(tier_stats.items()))
         lines.append(f"  tier {tier}: {parts}")
@@ -111,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(namespaces, indent=2))
                 else:
                     for ns in namespaces:
-                        print(f"{ns['digest']}  {ns['spec']}  ({human_bytes(ns['block_bytes'])} per block)")
+                        print(
+                            f"{ns['digest']}  {ns['spec']}  ({human_bytes(ns['block_bytes'])} per block)  "
+                            f"lookup hit rate {hit_rate_text(ns)}"
+                        )
             elif args.what == "blocks":
                 last_seq, hashes = admin.snapshot()
                 shown = [h.hex() for h in hashes[: args.limit]]

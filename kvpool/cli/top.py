@@ -11,9 +11,10 @@ import os
 import sys
 import time
 
-from kvpool.cli.inspect import DEFAULT_ADDRESS, human_bytes
+from kvpool.cli.inspect import DEFAULT_ADDRESS, hit_rate_text, human_bytes
 
-RATE_KEYS = ("hits", "misses", "puts", "evictions", "checksum_failures")
+#: counters shown as per-second rates (lookups and reads in blocks: docs/architecture.md "Counters")
+RATE_KEYS = ("lookup_hit_blocks", "lookup_missed_blocks", "read_hit_blocks", "puts", "evictions", "checksum_failures")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,13 +38,11 @@ def run(args: argparse.Namespace) -> int:
                 stats = admin.stats()
                 capacity = stats.get("capacity_bytes", 0) or 1
                 rates = {k: (stats.get(k, 0) - previous.get(k, stats.get(k, 0))) / args.interval_s for k in RATE_KEYS}
-                looked = stats.get("hits", 0) + stats.get("misses", 0)
-                hit_rate = 100.0 * stats.get("hits", 0) / looked if looked else 0.0
                 print(
                     f"{time.strftime('%H:%M:%S')} {stats.get('node_id', '?')}  "
                     f"used {human_bytes(stats.get('used_bytes', 0))}/{human_bytes(capacity)} "
                     f"({100.0 * stats.get('used_bytes', 0) / capacity:.1f}%)  blocks {stats.get('blocks', 0)}  "
-                    f"hit {hit_rate:.1f}%  " + "  ".join(f"{k}/s {v:.0f}" for k, v in rates.items()),
+                    f"lookup hit rate {hit_rate_text(stats)}  " + "  ".join(f"{k}/s {v:.0f}" for k, v in rates.items()),
                     flush=True,
                 )
                 previous = {k: stats.get(k, 0) for k in RATE_KEYS}

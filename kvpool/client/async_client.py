@@ -133,9 +133,22 @@ class AsyncPoolClient:
         if reply.lease_id == 0:
             return 0
         try:
-            return read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+            good = read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
         finally:
             self._pending_releases.append(int(reply.lease_id))
+        if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node
+            await self.report_corrupt([hashes[good]])
+        return good
+
+    async def report_corrupt(self, hashes: Sequence[bytes]) -> int:
+        """``PoolClient.report_corrupt``: the node re-verifies and drops what really is bad.
+        Returns how many it dropped; never raises."""
+        try:
+            reply = await self._hashes_call(self._stub.ReportCorrupt, hashes)
+        except KVPoolError as err:
+            log.warning("could not report %d corrupt blocks to %s: %s", len(hashes), self.address, err)
+            return 0
+        return int(reply.dropped)
 
     async def get(self, hashes: Sequence[bytes]) -> np.ndarray:
         out = np.empty((len(hashes), *self.spec.block_shape), dtype=self.spec.numpy_dtype)

@@ -45,7 +45,7 @@ import grpc
 import numpy as np
 
 from kvpool.client.blocks import block_rows
-from kvpool.client.pool_client import PoolClient, PutResult, hello_request
+from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hello_request
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
 from kvpool.core.hashing import block_hashes, pack_hashes
@@ -133,6 +133,8 @@ class ClusterClient:
             "replicated_blocks": 0,
             "directory_down_reads": 0,  # reads answered without the directory (failover)
             "failover_put_waits": 0,  # puts that waited for a directory leader
+            "reported_corrupt": 0,  # blocks that arrived failing their checksum, reported to their node
+            "dropped_corrupt": 0,  # of those, how many the node found bad too and dropped
         }
 
     @classmethod
@@ -274,9 +276,13 @@ class ClusterClient:
             self._sleep(min(pause_ms, self.failover_wait_ms - elapsed_ms) / 1000)
             pause_ms = min(pause_ms * 2, PLACE_RETRY_MAX_MS)
 
-    def locate(self, hashes: Sequence[bytes], lease_ms: int = 0) -> tuple[list[list[Holder]], int]:
+    def locate(
+        self, hashes: Sequence[bytes], lease_ms: int = 0, for_read: bool = False
+    ) -> tuple[list[list[Holder]], int]:
         """Per leading cached block, its holders; plus the directory lease id (0 if none).
-        Raises ``Unavailable`` while no directory leader answers (``lookup`` does not)."""
+        ``for_read``: this locate is a read's (the directory counts it apart from lookups, so
+        an engine's lookup followed by its read is one lookup). Raises ``Unavailable`` while no
+        directory leader answers (``lookup`` does not)."""
         if not hashes:
             return [], 0
         reply = self._directory(
@@ -286,6 +292,7 @@ class ClusterClient:
                 hashes=pack_hashes(hashes),
                 lease_ms=lease_ms,
                 client_node=self.local.node_id if self.local else "",
+                for_read=for_read,
             ),
         )
         nodes = [Holder.of(n) for n in reply.nodes]
@@ -387,6 +394,8 @@ class ClusterClient:
             items = [ReadItem(h, byte_range[0], byte_range[1]) for h in hashes]
         result = self.transport.read(holder.data_address, self._ns, items, [rows[start + i] for i in range(n)])
         self.counters["remote_blocks"] += result.ok
+        if result.corrupt_index >= 0:
+            self._report_corrupt(holder, hashes[result.corrupt_index])
         if result.ok and self.replicate_after > 0 and byte_range is None:
             self._count_remote(hashes[: result.ok], rows[start : start + result.ok])
         return result.ok
@@ -420,7 +429,7 @@ class ClusterClient:
         holders: list[list[Holder]] | None = None
         if not self._directory_down():
             try:
-                holders, _ = self.locate(hashes)
+                holders, _ = self.locate(hashes, for_read=True)
             except (Unavailable, NotLeader) as err:
                 log.info("directory lookup failed (%s): reading from the local node only", err)
             except KVPoolError as err:
@@ -495,6 +504,27 @@ class ClusterClient:
                 self.counters["replicated_blocks"] += result.stored
             except KVPoolError as err:
                 log.info("replicating %d hot blocks locally failed: %s", len(hot), err)
+
+    def _report_corrupt(self, holder: Holder, block_hash: bytes) -> None:
+        """A block from ``holder`` arrived failing its checksum: tell its node, which
+        re-verifies it in its arena and drops it only if it is bad there (damage on the wire
+        drops nothing); its REMOVED event then drops this holder from the directory. Rare, so
+        one short-lived channel per report; a failed report is logged, never raised."""
+        try:
+            self._hello(holder)
+            channel = grpc.insecure_channel(holder.control_address, options=channel_options(64 << 20))
+            try:
+                request = hashes_request(self._ns, [block_hash], [], 0)
+                reply = pool_pb2_grpc.PoolStub(channel).ReportCorrupt(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, holder.control_address) from None
+            finally:
+                channel.close()
+        except KVPoolError as err:
+            log.warning("could not report a corrupt block to node %s: %s", holder.node_id, err)
+            return
+        self.counters["reported_corrupt"] += 1
+        self.counters["dropped_corrupt"] += int(reply.dropped)
 
     # -- writes --------------------------------------------------------------------------
     def _hello(self, holder: Holder) -> None:

@@ -225,9 +225,24 @@ class PoolClient:
         if reply.lease_id == 0:
             return 0
         try:
-            return read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+            good = read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
         finally:
             self._release_later(int(reply.lease_id))
+        if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node
+            self.report_corrupt([hashes[good]])
+        return good
+
+    def report_corrupt(self, hashes: Sequence[bytes]) -> int:
+        """Tell the node these blocks of this namespace failed their checksum when read. The
+        node re-verifies each and drops the ones that really are bad, so the next put stores
+        fresh bytes instead of being told ``already_present``. Returns how many it dropped;
+        never raises (a failed report leaves the block to the next reader's report)."""
+        try:
+            reply = self._with_namespace(lambda: self._rpc(self._stub.ReportCorrupt, self._hashes_request(hashes)))
+        except KVPoolError as err:
+            log.warning("could not report %d corrupt blocks to %s: %s", len(hashes), self.address, err)
+            return 0
+        return int(reply.dropped)
 
     def get(self, hashes: Sequence[bytes]) -> np.ndarray:
         """The leading cached blocks of ``hashes`` as a new array [hits, *block_shape]."""

@@ -56,7 +56,13 @@ class NodeBlockStore:
         namespace || hash, so a peer that learned another tenant's block hash (from KV
         events, say) asks for a key that does not exist and reads nothing."""
         grant = self._node.store.lease(block_keys(namespace, keys))
+        self._node.count_read(namespace, len(grant.locations), len(keys))
         return LeasedBlocks(grant.lease_id, [(loc.offset, loc.size, loc.checksum) for loc in grant.locations])
+
+    def drop_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """The data plane found these blocks (hashes) of ``namespace`` rotten in this node's
+        arena while serving them: re-verify and drop them (``PoolNode.drop_corrupt``)."""
+        return self._node.drop_corrupt(self._node.namespace(namespace), block_keys(namespace, keys))
 
     def release(self, lease_id: int) -> None:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.core.clock import Clock
@@ -24,10 +25,12 @@ from kvpool.core.events import EventKind
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import NAMESPACE_BYTES, group_by_namespace, key_namespace
 from kvpool.core.spec import KVSpec
+from kvpool.daemon.counters import TrafficCounters
 from kvpool.daemon.event_log import EventLog
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.allocator import check_block_fits
 from kvpool.storage.arena import SharedArena
+from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
 
 log = logging.getLogger("kvpool.node")
@@ -66,6 +69,7 @@ class PoolNode:
         self._ns_lock = threading.Lock()
         self._next_retire_ms = clock.now_ms() + NAMESPACE_RETIRE_INTERVAL_MS
         self.namespaces_retired = 0
+        self.counters = TrafficCounters()  # lookups and reads, per namespace and tier
         # a flood of Hellos must not flood the log: one line per interval, with a count
         self._registered_log = RateLimitedLog(log, REGISTER_LOG_INTERVAL_S, level=logging.INFO)
         self.store = build_node_store(config, self.arena.view, clock, self._on_event, capability_id)
@@ -153,10 +157,49 @@ class PoolNode:
             for ns in retire:
                 del self._namespaces[ns]
                 self._last_used_ms.pop(ns, None)
+                self.counters.forget(ns)
             self.namespaces_retired += len(retire)
         if retire:
             log.info("retired %d namespaces without blocks (%d left)", len(retire), len(self._namespaces))
         return len(retire)
+
+    def lookup(self, info: NamespaceInfo, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of ``keys`` (this namespace's) the node holds, counted as
+        one lookup (hits per tier, misses) in ``counters``."""
+        by_tier = self.store.lookup_by_tier(keys)
+        if self._namespaces.get(info.digest) is info:  # retired meanwhile: its counters are gone
+            self.counters.count_lookup(info.digest, info.spec.block_tokens, by_tier, len(keys))
+        return sum(by_tier.values())
+
+    def lease(self, info: NamespaceInfo, keys: Sequence[bytes]) -> LeaseGrant:
+        """Lease the leading blocks of ``keys`` for a reader, counted as one read."""
+        grant = self.store.lease(keys)
+        self.count_read(info.digest, len(grant.locations), len(keys))
+        return grant
+
+    def count_read(self, namespace: bytes, served_blocks: int, asked_blocks: int) -> None:
+        """Count one read. A namespace not registered (any more) is not counted, so the
+        per-namespace counters stay bounded by the namespace table (a data-plane read of an
+        unknown namespace is refused before it leases anything)."""
+        info = self._namespaces.get(namespace)
+        if info is not None:
+            self.counters.count_read(namespace, info.spec.block_tokens, served_blocks, asked_blocks)
+
+    def drop_corrupt(self, info: NamespaceInfo, keys: Sequence[bytes]) -> int:
+        """A reader says these blocks of its namespace failed their checksum: re-verify each
+        against its committed checksum and drop the ones that really are bad (counted in
+        ``checksum_failures``, REMOVED sent, so the directory drops this holder and the next
+        put stores fresh bytes). ``keys`` are built from the caller's namespace (``block_keys``),
+        so a report can only ever reach its own blocks; a block that verifies is kept. Returns
+        how many were dropped."""
+        dropped = self.store.drop_corrupt(keys)
+        if dropped:
+            log.warning(
+                "namespace %s: %d blocks reported corrupt failed their checksum here too and were dropped",
+                info.digest.hex()[:16],
+                len(dropped),
+            )
+        return len(dropped)
 
     def sweep(self) -> None:
         """The sweeper's tick: the store's leases and puts, and now and then idle namespaces."""

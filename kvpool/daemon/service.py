@@ -41,6 +41,9 @@ MAX_RELEASE_IDS_PER_CALL = 4096
 MAX_STATS_NAMESPACES = 256
 #: longest hash_scheme / protocol_version string a Hello may carry, in bytes
 MAX_VERSION_STRING_BYTES = 64
+#: blocks one ReportCorrupt may name: the daemon checksums each under the host lock, so a
+#: tenant must not make it hash a whole batch; readers report one block per failed read
+MAX_CORRUPT_REPORT_BLOCKS = 16
 #: fixed room in a request besides its hashes / ids / checksums (namespace, flags, framing)
 REQUEST_OVERHEAD_BYTES = 64 << 10
 
@@ -124,15 +127,15 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Lookup(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LookupReply:
-        _, keys = self._keys(request)
+        info, keys = self._keys(request)
         self._release(request.release_lease_ids)
-        return pool_pb2.LookupReply(hits=self.node.store.lookup(keys))
+        return pool_pb2.LookupReply(hits=self.node.lookup(info, keys))
 
     @typed_handler
     def Lease(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LeaseReply:
         info, keys = self._keys(request)
         self._release(request.release_lease_ids)
-        grant = self.node.store.lease(keys)
+        grant = self.node.lease(info, keys)
         return pool_pb2.LeaseReply(
             lease_id=grant.lease_id,
             offsets=[loc.offset for loc in grant.locations],
@@ -182,6 +185,21 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         return pool_pb2.RemoveReply(removed=self.node.store.remove(keys))
 
     @typed_handler
+    def ReportCorrupt(
+        self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext
+    ) -> pool_pb2.ReportCorruptReply:
+        """A reader found these blocks failing their checksum: the node re-verifies them (a
+        report alone never drops a block) and drops only the bad ones of this namespace."""
+        info, keys = self._keys(request)
+        if len(keys) > MAX_CORRUPT_REPORT_BLOCKS:
+            raise InvalidArgument(
+                f"{len(keys)} blocks reported corrupt in one call; the limit is {MAX_CORRUPT_REPORT_BLOCKS}",
+                hint="report the first block that failed its checksum (nothing after it was checked)",
+            )
+        self._release(request.release_lease_ids)
+        return pool_pb2.ReportCorruptReply(dropped=self.node.drop_corrupt(info, keys))
+
+    @typed_handler
     def Pin(self, request: pool_pb2.PinRequest, context: grpc.ServicerContext) -> pool_pb2.PinReply:
         _, keys = self._keys(request)
         if request.unpin:
@@ -198,6 +216,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_path"] = self.node.arena.path
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
+        summary.update(self.node.counters.summary())
         summary.update(self._namespace_stats(request))
         return pool_pb2.StatsReply(json=json.dumps(summary, sort_keys=True))
 
@@ -225,6 +244,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
                 "spec": ns.spec.describe(),
                 "block_bytes": ns.spec.block_bytes,
                 "used_bytes": self.node.store.namespace_bytes(ns.digest),
+                **self.node.counters.namespace_summary(ns.digest),
             }
             for ns in shown
         ]

@@ -162,7 +162,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
         self._lead()
         keys = block_keys(request.namespace, bounded_hashes(request.hashes, "Lookup"))
-        result = self.state.lookup(keys, request.client_node, int(request.lease_ms))
+        result = self.state.lookup(keys, request.client_node, int(request.lease_ms), for_read=request.for_read)
         return directory_pb2.LookupReply(
             hits=result.hits,
             nodes=[node_to_msg(n) for n in result.nodes],

@@ -33,6 +33,7 @@ from kvpool.directory.db import DirectoryDB
 log = logging.getLogger("kvpool.directory")
 
 TIER_CODES = {"device": 2, "host": 0, "disk": 1}
+TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
 #: lower is better for reading: host DRAM first, then device, then disk
 TIER_RANK = {0: 0, 2: 1, 1: 2}
 MAX_HOLDERS_IN_REPLY = 64
@@ -135,11 +136,14 @@ class DirectoryState:
             "lookups": 0,
             "lookup_blocks": 0,
             "lookup_hits": 0,
+            "read_locates": 0,  # Lookups sent by a read (for_read): not counted as lookups
             "registrations": 0,
             "resyncs": 0,
             "nodes_expired": 0,
             "events": 0,
         }
+        # lookup hits per best tier among the holders (docs/architecture.md "Counters")
+        self.lookup_hit_blocks_by_tier: dict[str, int] = dict.fromkeys(TIER_CODES, 0)
         if db is not None:
             self._load(db)
 
@@ -380,7 +384,9 @@ class DirectoryState:
             return late
 
     # -- reads ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes], client_node: str = "", lease_ms: int = 0) -> LookupResult:
+    def lookup(
+        self, keys: Sequence[bytes], client_node: str = "", lease_ms: int = 0, for_read: bool = False
+    ) -> LookupResult:
         """Per leading block, which live nodes hold it (stops at the first block nobody holds).
 
         The reply names at most ``MAX_HOLDERS_IN_REPLY`` nodes, and every block counted as a
@@ -424,9 +430,14 @@ class DirectoryState:
                     self._mask_block(holders, bit_of, masks, tiers)
             hits = len(masks)
             nodes = [self._by_slot[slot] for slot in bit_of]
-            self.counters["lookups"] += 1
-            self.counters["lookup_blocks"] += len(keys)
-            self.counters["lookup_hits"] += hits
+            if for_read:  # the read that follows a lookup asked no new question
+                self.counters["read_locates"] += 1
+            else:
+                self.counters["lookups"] += 1
+                self.counters["lookup_blocks"] += len(keys)
+                self.counters["lookup_hits"] += hits
+                for code in tiers[:hits]:
+                    self.lookup_hit_blocks_by_tier[TIER_NAMES.get(code, "host")] += 1
             lease_id = 0
             if lease_ms > 0 and hits:
                 lease_id = next(self._lease_ids)
@@ -587,4 +598,5 @@ class DirectoryState:
                 "leases_active": len(self._leases),
                 "deferred_removes": len(self._deferred_removes),
                 **self.counters,
+                "lookup_hit_blocks_by_tier": dict(self.lookup_hit_blocks_by_tier),
             }

@@ -101,16 +101,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, resync: _Optional[bool] = ..., acked_seq: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "lease_ms", "client_node")
+    __slots__ = ("namespace", "hashes", "lease_ms", "client_node", "for_read")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NODE_FIELD_NUMBER: _ClassVar[int]
+    FOR_READ_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     hashes: bytes
     lease_ms: int
     client_node: str
-    def __init__(self, namespace: _Optional[bytes] = ..., hashes: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., client_node: _Optional[str] = ...) -> None: ...
+    for_read: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., hashes: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., client_node: _Optional[str] = ..., for_read: _Optional[bool] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("hits", "nodes", "holder_masks", "tiers", "lease_id")

@@ -150,6 +150,12 @@ class RemoveReply(_message.Message):
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
+class ReportCorruptReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
 class PinRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "hard", "ttl_ms", "unpin")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

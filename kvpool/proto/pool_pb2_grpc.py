@@ -94,6 +94,11 @@ class PoolStub:
                 request_serializer=kvpool_dot_proto_dot_pool__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_pool__pb2.SnapshotReply.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/kvpool.v1.Pool/ReportCorrupt',
+                request_serializer=kvpool_dot_proto_dot_pool__pb2.HashesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_pool__pb2.ReportCorruptReply.FromString,
+                _registered_method=True)
 
 
 class PoolServicer:
@@ -171,6 +176,12 @@ class PoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCorrupt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=kvpool_dot_proto_dot_pool__pb2.SnapshotRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_pool__pb2.SnapshotReply.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=kvpool_dot_proto_dot_pool__pb2.HashesRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_pool__pb2.ReportCorruptReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class Pool:
             '/kvpool.v1.Pool/Snapshot',
             kvpool_dot_proto_dot_pool__pb2.SnapshotRequest.SerializeToString,
             kvpool_dot_proto_dot_pool__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Pool/ReportCorrupt',
+            kvpool_dot_proto_dot_pool__pb2.HashesRequest.SerializeToString,
+            kvpool_dot_proto_dot_pool__pb2.ReportCorruptReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,9 @@ class ReadItem:
 class ReadResult:
     ok: int  # leading items copied into their destinations and verified
     reason: str = ""  # why the rest were misses ("" when all arrived)
+    # index (in the read's items) of an item that arrived whole and failed its checksum, or
+    # -1: the reader reports that block to its node (``ReportCorrupt``), which re-verifies it
+    corrupt_index: int = -1
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,11 @@ class BlockStore(Protocol):
     def lease(self, namespace: bytes, keys: Sequence[bytes]) -> LeasedBlocks: ...
 
     def release(self, lease_id: int) -> None: ...
+
+    def drop_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Re-verify blocks (hashes of ``namespace``) that the server found rotten while
+        serving them and drop the ones that fail; returns how many were dropped."""
+        ...
 
     def put_start(self, namespace: bytes, keys: Sequence[bytes]) -> PutSlots: ...
 

@@ -209,6 +209,7 @@ class TcpDataServer:
             metas: list[bytes] = []
             views: list[memoryview] = []
             verified: set[int] = set()  # arena offsets of blocks checked whole (several ranges of one block)
+            rotten: list[bytes] = []  # found bad here: dropped (re-verified by the store) after the loop
             for i, ((key, off, length), (offset, size, checksum)) in enumerate(zip(items, grant.locations)):
                 if length == 0:
                     length = size - off
@@ -220,12 +221,13 @@ class TcpDataServer:
                     if checksum64(arena[offset : offset + size]) != checksum:
                         log.warning(
                             "data plane: block %s (item %d) no longer matches its committed checksum: "
-                            "serving %d of %d items, the rest are misses",
+                            "serving %d of %d items, the rest are misses; the block is dropped",
                             key.hex(),
                             i,
                             i,
                             len(items),
                         )
+                        rotten.append(key)
                         break
                     verified.add(offset)
                 metas.append(wire.READ_META.pack(length, checksum if whole else checksum64(chunk)))
@@ -234,6 +236,13 @@ class TcpDataServer:
             if grant.lease_id:
                 self._store.release(grant.lease_id)
             raise
+        if rotten:
+            # the store hides a leased block at once and frees its slot at the last release,
+            # so the views of the good blocks before it stay valid
+            try:
+                self._store.drop_corrupt(namespace, rotten)
+            except KVPoolError as err:  # e.g. the namespace was retired meanwhile: still serve the rest
+                log.warning("data plane: could not drop rotten block %s: %s", rotten[0].hex(), err)
         return grant.lease_id, views, metas
 
     def _serve_read(self, conn: socket.socket, count: int, namespace: bytes) -> None:
@@ -385,7 +394,8 @@ class TcpTransport:
                 result = self._read_chunk(peer, namespace, chunk, dst[start : start + wire.MAX_ITEMS], deadline)
                 done += result.ok
                 if result.ok < len(chunk):
-                    return ReadResult(done, result.reason)
+                    corrupt = start + result.corrupt_index if result.corrupt_index >= 0 else -1
+                    return ReadResult(done, result.reason, corrupt)
         except Exception as exc:  # the outermost boundary: whatever a peer does is a miss
             log.exception("read from %s failed unexpectedly after %d blocks: the rest are misses", peer, done)
             return ReadResult(done, f"transfer from {peer} failed: {exc!r}")
@@ -428,7 +438,7 @@ class TcpTransport:
             ok = progress[0]
             if bad >= 0:
                 log.warning("block %d from %s failed its checksum: treated as a miss", bad, peer)
-                return ReadResult(ok, f"block {bad} from {peer} failed its checksum")
+                return ReadResult(ok, f"block {bad} from {peer} failed its checksum", corrupt_index=bad)
             if served < len(items):
                 return ReadResult(ok, f"peer {peer} holds only {served} of {len(items)} blocks")
             return ReadResult(ok)

@@ -417,3 +417,40 @@ def test_a_new_leader_without_nodes_is_a_failover_not_not_found(cluster: LocalCl
         assert f"the new leader {d2.address}" in text and "no node registered" in text, text
         assert "no live node is registered" in text  # what the leader said, as the cause
         assert cl.link.leader == d2.address
+
+
+def test_a_block_rotten_on_a_remote_node_is_reported_dropped_there_and_healed(cluster: LocalCluster) -> None:
+    """Issue 11 item 2 across nodes: a block that rotted in node-a's arena fails its checksum
+    when node-c's client reads it over the data plane; the client reports it, node-a
+    re-verifies and drops it (REMOVED), the directory stops listing node-a as its holder,
+    and the next put stores fresh bytes that read back whole."""
+    from kvpool.proto import pool_pb2, pool_pb2_grpc
+
+    d = cluster.start_directory()
+    a = cluster.start_node("node-a", [d.address]).address
+    c_addr = cluster.start_node("node-c", [d.address]).address
+    with client(cluster, [d.address], a) as ca, client(cluster, [d.address], c_addr) as cc:
+        h = ca.hashes(np.arange(16 * 6))
+        data = blocks(6, 5)
+        assert ca.put(h, data).stored == 6
+        assert eventually(lambda: cc.lookup(h) == 6)
+        local = ca.local
+        assert local is not None
+        with grpc.insecure_channel(a) as ch:
+            stub = pool_pb2_grpc.PoolStub(ch)
+            lease = stub.Lease(pool_pb2.HashesRequest(namespace=local.namespace.digest(), hashes=pack_hashes(h)))
+            stub.Release(pool_pb2.ReleaseRequest(lease_ids=[lease.lease_id]))
+        local.arena[lease.offsets[3] + 11] ^= 0x42  # rot in node-a's arena, after commit
+        out = np.zeros_like(data)
+        assert cc.get_into(h, out) == 3  # a miss from the rotten block on, never wrong bytes
+        np.testing.assert_array_equal(out[:3], data[:3])
+        assert cc.counters["reported_corrupt"] == 1 and cc.counters["dropped_corrupt"] == 1
+        with grpc.insecure_channel(a) as ch:
+            a_stats = json.loads(pool_pb2_grpc.PoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=5).json)
+        assert a_stats["checksum_failures"] == 1
+        assert eventually(lambda: cc.lookup(h) == 3)  # the directory dropped node-a as the holder
+        assert ca.put(h, data).stored == 1  # the engine recomputed block 3: fresh bytes
+        assert eventually(lambda: cc.lookup(h) == 6)
+        out[:] = 0
+        assert cc.get_into(h, out) == 6
+        np.testing.assert_array_equal(out, data)

@@ -40,6 +40,19 @@ def test_lookup_returns_holders_per_block_and_stops_at_first_gap() -> None:
     assert holders[0] == {"a"} and holders[7] == {"a", "b"} and holders[11] == {"b"}
 
 
+def test_lookup_counters_count_hits_per_best_tier_and_keep_read_locates_apart() -> None:
+    s = state()
+    s.register(node("a"), HASH_SCHEME, [NS_ROW], KEYS[:6], bytes([0, 0, 1, 1, 2, 1]))  # host, disk, device
+    s.register(node("b"), HASH_SCHEME, [NS_ROW], KEYS[3:4], bytes([0]))  # block 3 also in b's host
+    assert s.lookup(KEYS[:10]).hits == 6
+    assert s.lookup(KEYS[:10], for_read=True).hits == 6  # the read after the lookup: not a lookup
+    summary = s.summary()
+    assert (summary["lookups"], summary["lookup_blocks"], summary["lookup_hits"]) == (1, 10, 6)
+    assert summary["read_locates"] == 1
+    # block 3's best holder is b's host; the directory's order is host, disk, device
+    assert summary["lookup_hit_blocks_by_tier"] == {"host": 3, "disk": 2, "device": 1}
+
+
 def test_events_apply_in_order_and_a_gap_asks_for_resync() -> None:
     s = state()
     s.register(node("a"), HASH_SCHEME, [NS_ROW], [], b"")

@@ -330,4 +330,3 @@ def test_mqa_one_kv_head(backend: str) -> None:
     consumer.start_load_kv(consumer.build_connector_meta([]))
     for name in src:
         assert torch.equal(dst[name][[4, 5, 7, 2]], src[name][[3, 1, 6, 0]])
-

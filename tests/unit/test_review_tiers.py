@@ -167,7 +167,7 @@ def test_entry_of_a_device_only_block(device_store: Store) -> None:
 
     assert s.store.device is not None
     device_hits = s.store.device.stats.hits
-    remote = NodeBlockStore(SimpleNamespace(store=s.store))  # type: ignore[arg-type]
+    remote = NodeBlockStore(SimpleNamespace(store=s.store, count_read=lambda *_: None))  # type: ignore[arg-type]
     block_hash = key(victim)[16:]
     assert remote.lease(bytes(16), [block_hash]).locations == [], "another namespace must not read it"
     leased = remote.lease(NS, [block_hash])

@@ -322,3 +322,21 @@ def test_put_of_another_size_class_that_cannot_fit_evicts_nothing() -> None:
     with pytest.raises(CapacityExhausted):
         put([9], SLAB // 2)  # a large block: needs a whole free slab, and none can be freed
     assert store.lookup([key(1)]) == 1, "block 1 was evicted by a put that failed anyway"
+
+
+def test_drop_corrupt_reverifies_and_a_leased_bad_block_keeps_its_slot_until_release() -> None:
+    h = Harness(slots=8)
+    assert h.put([1, 2, 3]) == 3
+    assert h.store.drop_corrupt([key(1), key(2), key(3), key(7)]) == []  # all verify: nothing dropped
+    grant = h.store.lease([key(1), key(2)])
+    bad = grant.locations[1]
+    h.buffer[bad.offset + 5] ^= 0x80
+    used = h.store.used_bytes()
+    assert h.store.drop_corrupt([key(2)]) == [key(2)]
+    assert h.store.lookup([key(1), key(2)]) == 1
+    assert h.events[-1] == (EventKind.REMOVED, [key(2)], NS)
+    assert h.store.summary()["checksum_failures"] == 1
+    assert h.store.used_bytes() == used  # leased: hidden now, its slot freed at the release
+    h.store.release(grant.lease_id)
+    assert h.store.used_bytes() == used - BLOCK
+    assert h.put([2]) == 1 and h.read(2) is not None and np.array_equal(h.read(2), payload(2))

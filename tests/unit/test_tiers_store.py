@@ -208,6 +208,49 @@ def test_corrupt_block_on_disk_is_a_miss_not_wrong_bytes(tmp_path: pathlib.Path)
         h.store.close()
 
 
+def test_corrupt_disk_block_heals_on_the_next_put_and_is_counted_node_wide(tmp_path: pathlib.Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        h.put(list(range(300)))
+        assert h.store.flush()
+        disk = h.store.disk
+        assert disk is not None and h.store.tier_of(key(5)) == "disk"
+        assert h.store.lookup_by_tier([key(4), key(5), key(6)]) == {"host": 0, "disk": 3}
+        entry = disk._index[key(5)]
+        with open(disk._file_path(entry.file), "r+b") as fh:
+            fh.seek(entry.offset + 123)
+            fh.write(b"\xff\x00\xff")
+        assert h.get([5]) == 0  # the promotion's read fails the check: a miss, never wrong bytes
+        s = h.store.summary()
+        assert s["checksum_failures"] == 1 and s["tiers"]["disk"]["checksum_failures"] == 1
+        assert h.store.lookup([key(5)]) == 0 and key(5) in h.removed()
+        grant = h.store.put_start(NS, [key(5)], BLOCK)  # the engine's re-put: fresh bytes, not already_present
+        assert grant.already_present == [] and len(grant.slots) == 1
+        h.buffer[grant.slots[0][1] : grant.slots[0][1] + BLOCK] = data(5)
+        assert h.store.put_commit(grant.put_id, [checksum64(data(5))]).committed == 1
+        assert h.get([5]) == 1  # verified against data(5) by the harness
+    finally:
+        h.store.close()
+
+
+def test_reported_host_block_is_reverified_and_dropped_from_every_tier(tmp_path: pathlib.Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        h.put([1, 2, 3])
+        assert h.store.drop_corrupt([key(1), key(2), key(3)]) == []  # all verify: a report drops nothing
+        entry = h.store.entry(key(2))
+        assert entry is not None and entry.offset >= 0
+        h.buffer[entry.offset + 10] ^= 0x20
+        assert h.store.drop_corrupt([key(1), key(2), key(9)]) == [key(2)]
+        assert h.store.lookup([key(1), key(2)]) == 1 and h.store.tier_of(key(2)) == ""
+        assert h.removed() == {key(2)}
+        s = h.store.summary()
+        assert s["checksum_failures"] == 1 and s["tiers"]["host"]["checksum_failures"] == 1
+        assert h.get([1, 2, 3]) == 1
+    finally:
+        h.store.close()
+
+
 def test_summary_keeps_host_keys_and_adds_tiers(tmp_path: pathlib.Path) -> None:
     plain = HostStore(np.zeros(HOST.capacity_bytes, np.uint8), HOST, FakeClock())
     h = Harness(tmp_path)
@@ -252,6 +295,25 @@ def test_device_tier_on_cpu_takes_hot_blocks_and_demotes_back(tmp_path: pathlib.
     assert device.contains(key(39))
     assert h.get([39]) == 1
     assert h.store.summary()["tiers"]["device"]["hits"] >= 1
+
+
+def test_a_corrupt_device_only_block_is_a_miss_counted_and_removed(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("torch")
+    h = Harness(None, device_capacity_bytes=1 << 18, device="cpu", device_high_watermark=1.0, device_low_watermark=1.0)
+    device = h.store.device
+    assert device is not None
+    h.put([1, 2])
+    for _ in range(2):
+        assert h.get([1, 2]) == 2  # second hit: copied to the device tier
+    h.store.host.remove([key(2)])
+    assert h.store.tier_of(key(2)) == "device" and h.store.lookup_by_tier([key(1), key(2)]) == {"host": 1, "device": 1}
+    offset = device._index[key(2)].offset
+    device.arena[offset + 9] = int(device.arena[offset + 9]) ^ 0x11
+    h.events.clear()
+    assert h.get([2]) == 0
+    assert h.store.lookup([key(2)]) == 0 and h.removed() == {key(2)}
+    s = h.store.summary()
+    assert s["tiers"]["device"]["checksum_failures"] == 1 and s["checksum_failures"] == 1
 
 
 def test_device_tier_on_cpu_needs_the_test_switch() -> None:

@@ -85,6 +85,45 @@ def test_corrupt_block_is_a_miss_logged_with_peer(
     assert again.ok == 1
 
 
+def test_corrupt_whole_block_names_its_index_for_the_reader_to_report(
+    server: TcpDataServer, transport: TcpTransport, node: PoolNode
+) -> None:
+    ks = keys(4, 220)
+    transport.write(server.address, NS_DIGEST, ks, blocks(4, 6))
+    entry = node.store.entry(block_key(NS_DIGEST, ks[1]))
+    assert entry is not None
+    node.arena.view[entry.offset + 3] ^= 0x01
+    out = np.zeros((4, BB), dtype=np.uint8)
+    got = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
+    assert (got.ok, got.corrupt_index) == (1, 1)  # the reader reports ks[1] to the node (ClusterClient)
+    missing = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys(2, 900)], list(out[:2]))
+    assert (missing.ok, missing.corrupt_index) == (0, -1)  # a plain miss is not corruption
+
+
+def test_rot_found_serving_a_range_read_is_dropped_by_the_node(
+    server: TcpDataServer, transport: TcpTransport, node: PoolNode
+) -> None:
+    ks = keys(3, 240)
+    data = blocks(3, 7)
+    transport.write(server.address, NS_DIGEST, ks, data)
+    entry = node.store.entry(block_key(NS_DIGEST, ks[1]))
+    assert entry is not None
+    node.arena.view[entry.offset + BB - 1] ^= 0x10  # rot outside the range the reader asks for
+    seq = node.events.last_seq
+    offset, length = SPEC.layer_range_bytes(0, 1)
+    out = np.zeros((3, length), dtype=np.uint8)
+    got = transport.read(server.address, NS_DIGEST, [ReadItem(k, offset, length) for k in ks], list(out))
+    assert got.ok == 1
+    np.testing.assert_array_equal(out[0], data[0, offset : offset + length])
+    assert node.store.lookup(block_keys(NS_DIGEST, ks)) == 1  # the node dropped ks[1] itself
+    assert node.store.summary()["checksum_failures"] == 1
+    removed = [e for e in node.events.read_from(seq + 1, 0.0) if e.kind.value == "removed"]
+    assert [e.hashes for e in removed] == [(ks[1],)]
+    again = transport.write(server.address, NS_DIGEST, ks, data)  # the next put heals it
+    assert (again.stored, again.already_present) == (1, 2)
+    assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(np.zeros_like(data))).ok == 3
+
+
 def test_write_with_bad_checksum_is_not_stored(server: TcpDataServer, node: PoolNode) -> None:
     from kvpool.transport import wire
 
