@@ -119,7 +119,9 @@ def probes(seed: int, count: int, length: int = 2560, shared: int = 2304) -> dic
 
 # -- engines --------------------------------------------------------------------------------
 class Engine:
-    def __init__(self, work: Path, name: str, model: Path, phases: list[dict[str, Any]], kv: dict | None) -> None:
+    def __init__(
+        self, work: Path, name: str, model: Path, phases: list[dict[str, Any]], kv: dict | None, env: dict | None = None
+    ) -> None:
         self.name, self.out, self.log = name, work / f"{name}.json", work / f"{name}.log"
         script = work / f"{name}.script.json"
         script.write_text(json.dumps({"phases": phases}))
@@ -127,7 +129,7 @@ class Engine:
         argv += ["--script", str(script), "--out", str(self.out), "--max-model-len", "4096"]
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         self._fh = open(self.log, "wb")  # noqa: SIM115 (closed in result)
         self.proc = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
@@ -192,8 +194,40 @@ def connector_config(row: str, pool: str, shared_dir: Path, stats: Path) -> dict
             "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)},
         }
     if row.startswith("offload"):
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}}
-    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}}
+        extra = {"cpu_bytes_to_use": 1 << 30}
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {},
+    }
+
+
+def start_mooncake(work: Path) -> tuple[subprocess.Popen[bytes] | None, dict[str, str]]:
+    """Mooncake's master with its HTTP metadata server on loopback, and the MOONCAKE_CONFIG_PATH
+    file vLLM's MooncakeStoreConnector reads (tcp transport: no RDMA here)."""
+    binary = Path(sys.executable).parent / "mooncake_master"
+    if not binary.exists():
+        return None, {}
+    rpc_port, http_port = free_port(), free_port()
+    argv = [str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}", "--enable_http_metadata_server=true"]
+    argv += ["--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http_port}"]
+    log = open(work / "mooncake-master.log", "wb")  # noqa: SIM115 (the process owns it)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(1.5)
+    config = {
+        "metadata_server": f"http://127.0.0.1:{http_port}/metadata",
+        "master_server_address": f"127.0.0.1:{rpc_port}",
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": 1 << 30,
+        "local_buffer_size": 256 << 20,
+    }
+    path = work / "mooncake.json"
+    path.write_text(json.dumps(config))
+    # VLLM_HOST_IP: the transfer engine advertises loopback, never this host's other addresses
+    return proc, {"MOONCAKE_CONFIG_PATH": str(path), "VLLM_HOST_IP": "127.0.0.1"}
 
 
 def ttfts(result: dict[str, Any], prefix: str) -> list[tuple[float, int, int]]:
@@ -236,12 +270,17 @@ def main(argv: list[str] | None = None) -> int:
         for row in [r for r in args.rows.split(",") if r]:
             shared = work / f"{row}-shared"
             shared.mkdir()
+            mooncake, env = start_mooncake(work) if row.startswith("mooncake") else (None, {})
+            if row.startswith("mooncake") and mooncake is None:
+                report["rows"][row] = {"error": "mooncake_master not installed (pip install 'kvpool[bench]')"}
+                print(f"{row:>12}: not run: mooncake-transfer-engine-non-cuda is not installed")
+                continue
             kv = connector_config(row, pool_addr, shared, work / f"{row}-a-stats")
             kv_b = connector_config(row, pool_addr, shared, work / f"{row}-b-stats")
             cold = [phase("cold", pr["cold"])]
             if row.endswith("-1"):
                 phases = [WARMUP] + [phase(f"turn{t}", p) for t, p in enumerate(turns)] + cold
-                engines = [Engine(work, f"{row}-a", model, phases, kv)]
+                engines = [Engine(work, f"{row}-a", model, phases, kv, env)]
             else:
                 extra_a = [*cold, phase("base", pr["base"]), phase("q90_local", pr["q90_local"])]
                 extra_b = [phase("q90", pr["q90"])]
@@ -250,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                 pb[-1]["wait_for"] = f"{work / f'{row}-a.json'}.phase{len(pa) - 2}.done"
                 # and A's own-cache hit only after it, so the two timed phases never overlap
                 pa[-1]["wait_for"] = f"{work / f'{row}-b.json'}.phase{len(pb) - 1}.done"
-                engines = [Engine(work, f"{row}-a", model, pa, kv), Engine(work, f"{row}-b", model, pb, kv_b)]
+                engines = [Engine(work, f"{row}-a", model, pa, kv, env), Engine(work, f"{row}-b", model, pb, kv_b, env)]
             results = [e.result() for e in engines]
+            if mooncake is not None:
+                mooncake.kill()
+                mooncake.wait()
             failed = [r for r in results if isinstance(r, str)]
             if failed:
                 report["rows"][row] = {"error": failed[0]}
