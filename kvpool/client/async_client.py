@@ -30,6 +30,7 @@ from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.storage.arena import SharedArena
@@ -39,13 +40,21 @@ T = TypeVar("T")
 
 
 class AsyncPoolClient:
-    def __init__(self, address: str, namespace: Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        namespace: Namespace,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
+    ) -> None:
         self.address = address
         self.namespace = namespace
         self.spec = namespace.spec
         self.timeout_s = timeout_s
         self._ns_digest = namespace.digest()
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        self._metadata = call_metadata(token)
+        self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs, aio=True)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._arena: SharedArena | None = None
         self._pending_releases: list[int] = []
@@ -54,9 +63,17 @@ class AsyncPoolClient:
 
     @classmethod
     async def connect(
-        cls, address: str, spec: KVSpec, salt: bytes = b"", adapter: str = "", timeout_s: float = DEFAULT_TIMEOUT_S
+        cls,
+        address: str,
+        spec: KVSpec,
+        salt: bytes = b"",
+        adapter: str = "",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> AsyncPoolClient:
-        client = cls(address, Namespace(spec, salt, adapter), timeout_s)
+        """Connect, register the namespace, map the arena (``token``: see ``PoolClient.connect``)."""
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs)
         try:
             await client._hello()
         except BaseException:
@@ -72,7 +89,7 @@ class AsyncPoolClient:
 
     async def _rpc(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
 

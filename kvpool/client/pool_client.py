@@ -7,6 +7,10 @@
         arr = c.get(hashes[:n])           # new array
         c.get_into(hashes[:n], out)       # into the caller's buffer
 
+Against a daemon with credentials pass ``token=`` (sent as ``authorization: Bearer``
+metadata on every call) and, where it serves TLS, ``tls_root_certs=`` (PEM bytes of the
+CA that signed its certificate); docs/security.md.
+
 One control round trip per batch (gRPC on 127.0.0.1), one memcpy per block through
 the node's shared-memory arena, a checksum on each block at both ends. Releases of
 read leases ride on the next call (or ``close``); a lease never released expires after
@@ -31,6 +35,7 @@ from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.storage.arena import SharedArena
@@ -107,15 +112,23 @@ def put_result(start: pool_pb2.PutStartReply, done: pool_pb2.PutCommitReply | No
 class PoolClient:
     """Synchronous client of one same-host node. Safe to share between threads."""
 
-    def __init__(self, address: str, namespace: Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        namespace: Namespace,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
+    ) -> None:
         self.address = address
         self.namespace = namespace
         self.spec = namespace.spec
         self.timeout_s = timeout_s
         self._ns_digest = namespace.digest()
-        self._channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        self._metadata = call_metadata(token)
+        self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
-        self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest)
+        self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest, token=token)
         self._arena: SharedArena | None = None
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
@@ -130,9 +143,12 @@ class PoolClient:
         salt: bytes = b"",
         adapter: str = "",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> PoolClient:
-        """Connect to the daemon at ``address``, register the namespace, map the arena."""
-        client = cls(address, Namespace(spec, salt, adapter), timeout_s)
+        """Connect to the daemon at ``address``, register the namespace, map the arena.
+        ``token``: the credential the daemon's operator issued (none on the loopback default)."""
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs)
         try:
             client._hello()
         except BaseException:
@@ -149,7 +165,7 @@ class PoolClient:
     # -- plumbing ------------------------------------------------------------------------
     def _rpc(self, method: Callable[..., T], request: Any) -> T:
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
 

@@ -48,6 +48,18 @@ def parse_bytes(text: str | int) -> int:
     return int(float(number) * _UNITS[unit])
 
 
+def parse_bool(text: str | bool) -> bool:
+    """'true'/'1'/'yes'/'on' -> True, 'false'/'0'/'no'/'off'/'' -> False (flags, env, TOML)."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise InvalidArgument(f"{text!r} is not a boolean", hint="write true or false")
+
+
 @dataclass(frozen=True)
 class Option:
     flag: str
@@ -197,6 +209,28 @@ OPTIONS: list[Option] = [
         "See docs/security.md.",
     ),
     Option(
+        "--credentials",
+        "credentials_file",
+        str,
+        "credentials file (JSON, or TOML if it ends in .toml): tenants' and admins' token sha256s, "
+        "the namespace digests each tenant may use, the cluster token's sha256. Every call then needs "
+        "'authorization: Bearer TOKEN'. Default: none (allowed only on a loopback --listen). See docs/security.md.",
+    ),
+    Option(
+        "--tls-cert-file",
+        "tls_cert_file",
+        str,
+        "PEM certificate chain for TLS on the control-plane listener. Default: none (plaintext).",
+    ),
+    Option("--tls-key-file", "tls_key_file", str, "PEM private key of --tls-cert-file. Default: none."),
+    Option(
+        "--insecure",
+        "insecure",
+        parse_bool,
+        "allow a non-loopback --listen / --data-listen without credentials and TLS (a trusted, "
+        "firewalled network only). Default off.",
+    ),
+    Option(
         "--max-namespaces",
         "max_namespaces",
         int,
@@ -271,6 +305,16 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
         help="TOML file with the same options (top-level keys, [store] and [tiers] tables); env: KVPOOL_CONFIG",
     )
     for opt in OPTIONS:
+        if opt.parse is parse_bool:  # a switch: present = true
+            parser.add_argument(
+                opt.flag,
+                dest=opt.dest,
+                default=None,
+                action="store_const",
+                const="true",
+                help=f"{opt.help} (env: {opt.env})",
+            )
+            continue
         parser.add_argument(
             opt.flag, dest=opt.dest, default=None, metavar=_metavar(opt), help=f"{opt.help} (env: {opt.env})"
         )

@@ -1,7 +1,8 @@
 """``kvpool serve``: the embedded single-machine default (one process = node + directory).
 
-Start-up: map the arena, build the store, start the gRPC server on the configured
-127.0.0.1 address, start the sweeper. SIGTERM / SIGINT: stop accepting calls, let
+Start-up: read the credentials file and TLS key pair if configured (a daemon that cannot
+read them does not start), map the arena, build the store, start the gRPC server on the
+configured address (TLS when configured), start the sweeper. SIGTERM / SIGINT: stop accepting calls, let
 in-flight calls finish (grace period), remove the arena file, exit 0. A crashed
 background task exits non-zero.
 """
@@ -15,19 +16,53 @@ from typing import Any
 
 import grpc
 
+from kvpool.core.auth import MAX_CREDENTIALS_FILE_BYTES, Credentials, parse_credentials
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
-from kvpool.core.errors import Unavailable
+from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.proto import pool_pb2
+from kvpool.rpc.auth import server_credentials
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.server")
 
 SHUTDOWN_GRACE_S = 5.0
+#: largest TLS certificate chain or key file read, in bytes
+MAX_PEM_FILE_BYTES = 1 << 20
+
+
+def _read_bounded(path: str, limit_bytes: int, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit_bytes + 1)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read the {what} {path}: {exc}") from None
+    if len(data) > limit_bytes:
+        raise InvalidArgument(f"the {what} {path} is larger than {limit_bytes} bytes")
+    return data
+
+
+def load_credentials(path: str) -> Credentials | None:
+    """The daemon's credentials (None without a file: the loopback default)."""
+    if not path:
+        return None
+    data = _read_bounded(path, MAX_CREDENTIALS_FILE_BYTES, "credentials file")
+    try:
+        return parse_credentials(data, toml=path.endswith(".toml"))
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{path}: {err.message}", hint=err.hint or "see docs/security.md") from None
+
+
+def load_tls(config: DaemonConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert_file:
+        return None
+    cert = _read_bounded(config.tls_cert_file, MAX_PEM_FILE_BYTES, "TLS certificate")
+    key = _read_bounded(config.tls_key_file, MAX_PEM_FILE_BYTES, "TLS key")
+    return server_credentials(cert, key)
 
 
 class PoolServer:
@@ -36,12 +71,16 @@ class PoolServer:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.supervisor = Supervisor()
+        self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
+        self._tls = load_tls(config)
         self.node = PoolNode(config, MonotonicClock())
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
         )
-        service = PoolService(self.node, max_event_subscribers=max(1, config.grpc_workers // 2))
+        service = PoolService(
+            self.node, max_event_subscribers=max(1, config.grpc_workers // 2), credentials=self.credentials
+        )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
         add_typed_service(self._server, service, pool_pb2, "Pool", limit)
         self._stopped = threading.Event()
@@ -50,7 +89,10 @@ class PoolServer:
     def start(self) -> None:
         self.supervisor.install_stop_signals()
         try:
-            port = self._server.add_insecure_port(self.config.listen)
+            if self._tls is not None:
+                port = self._server.add_secure_port(self.config.listen, self._tls)
+            else:
+                port = self._server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
             port = 0
             reason = str(exc)
@@ -72,7 +114,13 @@ class PoolServer:
             except BaseException:  # e.g. the data-plane port is taken: shut down whole, then report
                 self.stop()
                 raise
-        log.info("kvpool serving on %s (node %s)", self.config.listen, self.node.node_id)
+        log.info(
+            "kvpool serving on %s (node %s; %s, %s)",
+            self.config.listen,
+            self.node.node_id,
+            "TLS" if self._tls is not None else "plaintext",
+            "credentials required" if self.credentials is not None else "no authentication",
+        )
 
     def stop(self) -> None:
         if self._stopped.is_set():
