@@ -72,7 +72,8 @@ def test_other_weights_other_fingerprint(model: Path, tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     assert weights_fingerprint(copy) != weights_fingerprint(model)
     (tmp_path / "empty").mkdir()
-    assert weights_fingerprint(tmp_path / "empty") == ""  # no weight files: refused by derive_spec, never a blank revision
+    # no weight files: refused by derive_spec, never a blank revision
+    assert weights_fingerprint(tmp_path / "empty") == ""
 
 
 @pytest.mark.parametrize(
