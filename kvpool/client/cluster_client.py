@@ -134,7 +134,7 @@ class ClusterClient:
             return cls(
                 link,
                 namespace,
-                make_transport(transport, timeout_s),
+                make_transport(transport, timeout_s, token=token),
                 local_client,
                 host,
                 replicate_after,

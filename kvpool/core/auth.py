@@ -55,11 +55,27 @@ MAX_TOKEN_BYTES = 512
 TOKEN_RANDOM_BYTES = 32
 
 SHA256_HEX_CHARS = 64
+#: data-plane challenge: random bytes the server sends, and the length of the proof
+DATA_AUTH_NONCE_BYTES = 32
+DATA_AUTH_PROOF_BYTES = 32
+_DATA_AUTH_CONTEXT = b"kvpool-data-auth-v1|"
 
 
 def token_sha256(token: str) -> str:
     """The hex SHA-256 of a token: what the credentials file stores."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def data_plane_proof(token_digest: bytes, nonce: bytes) -> bytes:
+    """What a data-plane peer sends for the server's ``nonce``: HMAC-SHA256 keyed by the
+    token's sha256. The token itself never crosses the (plaintext) data plane, and a proof
+    seen on the wire is good for that one nonce only. The server holds only the sha256s,
+    which is exactly the key: so the credentials file is a secret for the data plane."""
+    return hmac.new(token_digest, _DATA_AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
 
 
 def new_token() -> str:
@@ -116,10 +132,23 @@ class Credentials:
         return found
 
     def cluster_token_ok(self, token: bytes) -> bool:
-        """Whether ``token`` is the cluster token (the data-plane handshake checks this)."""
+        """Whether ``token`` is the cluster token."""
         if not self.cluster_digest or not token or len(token) > MAX_TOKEN_BYTES:
             return False
         return hmac.compare_digest(hashlib.sha256(token).digest(), self.cluster_digest)
+
+    def identify_proof(self, nonce: bytes, proof: bytes) -> Principal | None:
+        """The principal whose token made ``proof`` for ``nonce`` (``data_plane_proof``), or
+        None. Every entry is tried with a constant-time compare, no early exit."""
+        if len(nonce) != DATA_AUTH_NONCE_BYTES or len(proof) != DATA_AUTH_PROOF_BYTES:
+            return None
+        found: Principal | None = None
+        for entry in self.entries:
+            if hmac.compare_digest(data_plane_proof(entry.digest, nonce), proof):
+                found = entry.principal
+        if self.cluster_digest and hmac.compare_digest(data_plane_proof(self.cluster_digest, nonce), proof):
+            found = Principal("cluster", admin=False, namespaces=None, cluster=True)
+        return found
 
 
 def _hex_digest(value: Any, where: str, chars: int) -> bytes:

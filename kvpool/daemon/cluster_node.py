@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.core.auth import Credentials
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
@@ -101,8 +102,13 @@ def event_msg(event: KVEvent) -> directory_pb2.BlockEvent:
 class ClusterAgent:
     """Everything a node does in cluster mode; started and stopped by ``PoolServer``."""
 
-    def __init__(self, node: PoolNode, config: DaemonConfig, supervisor: Supervisor) -> None:
+    def __init__(
+        self, node: PoolNode, config: DaemonConfig, supervisor: Supervisor, credentials: Credentials | None = None
+    ) -> None:
+        """``credentials``: the node's (the same file as its control plane's): data-plane
+        peers must pass AUTH with one of its tokens, for namespaces that token may use."""
         self.node = node
+        self.credentials = credentials
         self.config = config
         self.cluster = config.cluster
         self.supervisor = supervisor
@@ -124,7 +130,9 @@ class ClusterAgent:
     def start(self) -> None:
         if self.cluster.enabled:
             listen = self.cluster.data_listen or f"{self.config.listen.rpartition(':')[0]}:0"
-            self.data_server = make_data_server(self.cluster.transport, NodeBlockStore(self.node), listen)
+            self.data_server = make_data_server(
+                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials
+            )
             self.data_server.start()
             log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)
         if self.etcd is not None:

@@ -108,7 +108,7 @@ class PoolServer:
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_node import ClusterAgent  # cluster mode only
 
-            self.cluster = ClusterAgent(self.node, self.config, self.supervisor)
+            self.cluster = ClusterAgent(self.node, self.config, self.supervisor, self.credentials)
             try:
                 self.cluster.start()
             except BaseException:  # e.g. the data-plane port is taken: shut down whole, then report

@@ -295,3 +295,71 @@ def test_serve_refuses_a_non_loopback_listener_before_binding(capsys: Any) -> No
     args = build_parser().parse_args(["serve", "--listen", "10.1.2.3:7450", "--insecure"])
     assert load_config(args, {}).insecure is True
     assert load_config(build_parser().parse_args(["serve", "--listen", "10.1.2.3:7450"]), {"KVPOOL_INSECURE": "1"})
+
+
+def wait_for_port(address: str, timeout_s: float = 10.0) -> None:
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_data_plane_peers_are_admitted_only_with_a_credential(daemon_factory: Any, workdir: str) -> None:
+    """The TCP data plane of a node with credentials: a peer reads / writes only after
+    AUTH (a proof made with its token, which never crosses the wire) and only in the
+    namespaces its token may use."""
+    from conftest import free_port
+
+    from kvpool.transport.base import ReadItem
+    from kvpool.transport.tcp import TcpTransport
+
+    data_address = f"127.0.0.1:{free_port()}"
+    daemon: DaemonHandle = daemon_factory(
+        "--credentials", write_credentials(workdir), "--data-listen", data_address
+    )  # fmt: skip
+    wait_for_port(data_address)  # the data plane starts right after the control plane answers
+    with PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
+        hashes = a.hashes(TOKENS)
+        blocks = make_blocks(4, seed=9)
+        assert a.put(hashes, blocks).stored == 4
+        items = [ReadItem(h) for h in hashes]
+        expected = blocks.reshape(4, -1).view(np.uint8)
+
+        def read(token: str) -> tuple[int, str, np.ndarray]:
+            transport = TcpTransport(timeout_s=5.0, token=token)
+            dst = np.zeros((4, SPEC.block_bytes), dtype=np.uint8)
+            try:
+                result = transport.read(data_address, NS_A, items, list(dst))
+            finally:
+                transport.close()
+            return result.ok, result.reason, dst
+
+        ok, _, dst = read(TOKEN_A)
+        assert ok == 4 and np.array_equal(dst, expected)
+        for token in ("", "kvp_wrong-token", TOKEN_B, TOKEN_A + "x"):
+            ok, reason, dst = read(token)
+            assert ok == 0 and reason, token
+            assert not dst.any()  # not one byte of A arrived
+        # a write into A's namespace without A's credential stores nothing
+        for token in ("", TOKEN_B):
+            transport = TcpTransport(timeout_s=5.0, token=token)
+            try:
+                rows = make_blocks(4, seed=10).reshape(4, -1).view(np.uint8)
+                fresh = a.hashes([t + 1 for t in TOKENS])
+                written = transport.write(data_address, NS_A, fresh, rows)
+            finally:
+                transport.close()
+            assert written.stored == 0, token
+            assert a.lookup(fresh) == 0
+        # the admin token may use every namespace on the data plane too
+        ok, _, dst = read(TOKEN_ADMIN)
+        assert ok == 4 and np.array_equal(dst, expected)
