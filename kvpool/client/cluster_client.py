@@ -124,7 +124,7 @@ class ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
         given, attach to that same-host node's arena."""
         namespace = Namespace(spec, salt, adapter)
-        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s)
+        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s, token=token)
         local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token) if local else None
         try:
             link.discover()

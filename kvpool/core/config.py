@@ -114,6 +114,7 @@ class ClusterConfig:
     kv_events_endpoint: str = ""  # ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://127.0.0.1:5557
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
+    token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
 
     def __post_init__(self) -> None:
         if self.transport not in ("tcp", "ucx"):

@@ -25,6 +25,7 @@ from kvpool.core.errors import KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import block_keys
+from kvpool.daemon.credentials import load_token
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.directory.etcd import EtcdClient, Membership
@@ -143,7 +144,9 @@ class ClusterAgent:
             period_ms = max(100, self.cluster.liveness_ttl_s * 1000 // 3)
             self.supervisor.every("etcd-liveness", period_ms, self.membership.tick)
         if self.cluster.directory_list or self.etcd is not None:
-            self.link = DirectoryLink(self.cluster.directory_list, self.etcd, self.cluster.cluster)
+            self.link = DirectoryLink(
+                self.cluster.directory_list, self.etcd, self.cluster.cluster, token=load_token(self.cluster.token_file)
+            )
             self.supervisor.spawn("directory-sync", self._sync_loop)
         if self.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_events import VllmEventPublisher

@@ -265,6 +265,13 @@ OPTIONS: list[Option] = [
         "data-plane address peers read blocks from, HOST:PORT. "
         "Default: 127.0.0.1 on a free port when --directory/--etcd is set, else no data plane.",
     ),
+    Option(
+        "--cluster-token-file",
+        "cluster.token_file",
+        str,
+        "file holding the cluster token this node presents to a directory with credentials "
+        "(its sha256 is [cluster] token_sha256 there). Default: none.",
+    ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp or ucx. Default tcp."),
     Option(
         "--host-name",

@@ -16,53 +16,20 @@ from typing import Any
 
 import grpc
 
-from kvpool.core.auth import MAX_CREDENTIALS_FILE_BYTES, Credentials, parse_credentials
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
-from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.errors import Unavailable
+from kvpool.daemon.credentials import load_credentials, load_tls
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.proto import pool_pb2
-from kvpool.rpc.auth import server_credentials
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.server")
 
 SHUTDOWN_GRACE_S = 5.0
-#: largest TLS certificate chain or key file read, in bytes
-MAX_PEM_FILE_BYTES = 1 << 20
-
-
-def _read_bounded(path: str, limit_bytes: int, what: str) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(limit_bytes + 1)
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read the {what} {path}: {exc}") from None
-    if len(data) > limit_bytes:
-        raise InvalidArgument(f"the {what} {path} is larger than {limit_bytes} bytes")
-    return data
-
-
-def load_credentials(path: str) -> Credentials | None:
-    """The daemon's credentials (None without a file: the loopback default)."""
-    if not path:
-        return None
-    data = _read_bounded(path, MAX_CREDENTIALS_FILE_BYTES, "credentials file")
-    try:
-        return parse_credentials(data, toml=path.endswith(".toml"))
-    except InvalidArgument as err:
-        raise InvalidArgument(f"{path}: {err.message}", hint=err.hint or "see docs/security.md") from None
-
-
-def load_tls(config: DaemonConfig) -> grpc.ServerCredentials | None:
-    if not config.tls_cert_file:
-        return None
-    cert = _read_bounded(config.tls_cert_file, MAX_PEM_FILE_BYTES, "TLS certificate")
-    key = _read_bounded(config.tls_key_file, MAX_PEM_FILE_BYTES, "TLS key")
-    return server_credentials(cert, key)
 
 
 class PoolServer:
@@ -72,7 +39,7 @@ class PoolServer:
         self.config = config
         self.supervisor = Supervisor()
         self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
-        self._tls = load_tls(config)
+        self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.node = PoolNode(config, MonotonicClock())
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
