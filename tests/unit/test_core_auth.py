@@ -82,3 +82,15 @@ def test_toml_and_size_limits() -> None:
 def test_bearer_token() -> None:
     assert bearer_token("Bearer abc") == "abc" and bearer_token("bearer  abc ") == "abc"
     assert bearer_token("Basic abc") == "" and bearer_token("abc") == ""
+
+
+def test_the_vllm_connector_takes_a_token_and_keeps_it_out_of_repr() -> None:
+    from kvpool.connectors.vllm_spec import ConnectorOptions
+
+    opts = ConnectorOptions.from_extra({"pool_address": "127.0.0.1:7450", "salt": "s", "token": "kvp_secret"})
+    assert opts.token == "kvp_secret" and "kvp_secret" not in repr(opts)
+    assert ConnectorOptions.from_extra({}).token == ""
+    with pytest.raises(InvalidArgument, match="token"):
+        ConnectorOptions.from_extra({"token": "x" * (MAX_TOKEN_BYTES + 1)})
+    with pytest.raises(InvalidArgument, match="string"):
+        ConnectorOptions.from_extra({"token": 5})
