@@ -70,19 +70,11 @@ def open_admin(args: argparse.Namespace, address: str) -> PoolAdmin:
     """A PoolAdmin with the token and CA from the flags, else the environment (read only
     here, in the CLI's composition root)."""
     from kvpool.client.admin import PoolAdmin
-    from kvpool.core.errors import InvalidArgument
+    from kvpool.daemon.credentials import read_bounded
 
     token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
     ca_path = args.tls_ca if args.tls_ca is not None else os.environ.get("KVPOOL_TLS_CA", "")
-    root_certs = None
-    if ca_path:
-        try:
-            with open(ca_path, "rb") as fh:
-                root_certs = fh.read(MAX_CA_FILE_BYTES + 1)
-        except OSError as exc:
-            raise InvalidArgument(f"cannot read the CA certificate {ca_path}: {exc}") from None
-        if len(root_certs) > MAX_CA_FILE_BYTES:
-            raise InvalidArgument(f"the CA certificate {ca_path} is larger than {MAX_CA_FILE_BYTES} bytes")
+    root_certs = read_bounded(ca_path, MAX_CA_FILE_BYTES, "CA certificate") if ca_path else None
     return PoolAdmin(address, token=token, tls_root_certs=root_certs)
 
 
