@@ -25,6 +25,7 @@ from kvpool.client.pool_client import (
     out_rows,
     put_result,
     put_rows,
+    writable_arena,
 )
 from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
@@ -53,6 +54,7 @@ class AsyncPoolClient:
         self.spec = namespace.spec
         self.timeout_s = timeout_s
         self._ns_digest = namespace.digest()
+        self._token = token
         self._metadata = call_metadata(token)
         self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs, aio=True)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
@@ -95,7 +97,7 @@ class AsyncPoolClient:
 
     async def _hello(self) -> None:
         reply = await self._rpc(self._stub.Hello, hello_request(self.namespace))
-        self._arena = attach_arena(self._arena, reply, self.spec)
+        self._arena = attach_arena(self._arena, reply, self.spec, self._token)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 
@@ -133,6 +135,12 @@ class AsyncPoolClient:
         if start.put_id == 0:
             return put_result(start, None)
         try:
+            self.arena  # noqa: B018 -- Unavailable if not connected
+            assert self._arena is not None
+            if not self._arena.writable:  # a handed-out arena: the writable one, for this put's holder
+                writable = writable_arena(self._arena, int(start.put_id), self._token)
+                self._arena.close()  # no view of it is held across an await
+                self._arena = writable
             checksums = write_rows(self.arena, rows, start.indices, start.offsets)
         except BaseException:
             await self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))

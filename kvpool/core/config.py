@@ -160,6 +160,9 @@ class DaemonConfig:
     tls_cert_file: str = ""  # PEM certificate chain of the control-plane listener; "" = plaintext
     tls_key_file: str = ""  # its PEM private key
     insecure: bool = False  # allow a non-loopback listener without credentials or TLS
+    # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
+    # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
+    arena_handoff: str = "auto"
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -171,6 +174,8 @@ class DaemonConfig:
             raise InvalidArgument(f"admin_views {self.admin_views!r} is not 'loopback', 'on' or 'off'")
         if self.max_namespaces <= 0 or self.namespace_idle_ms <= 0:
             raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
+        if self.arena_handoff not in ("auto", "file", "fd"):
+            raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
         self._refuse_open_listeners()
@@ -195,6 +200,11 @@ class DaemonConfig:
                 hint="configure credentials and TLS (docs/security.md), keep the daemon on 127.0.0.1, "
                 "or pass --insecure on a network you trust",
             )
+
+    @property
+    def arena_by_fd(self) -> bool:
+        """Whether the arena is a memfd handed to admitted clients (docs/security.md)."""
+        return self.arena_handoff == "fd" or (self.arena_handoff == "auto" and bool(self.credentials_file))
 
     @property
     def admin_enabled(self) -> bool:

@@ -224,6 +224,14 @@ OPTIONS: list[Option] = [
     ),
     Option("--tls-key-file", "tls_key_file", str, "PEM private key of --tls-cert-file. Default: none."),
     Option(
+        "--arena-handoff",
+        "arena_handoff",
+        str,
+        "how same-host clients get the arena: 'file' (a 0600 file in --arena-dir, opened by path), "
+        "'fd' (an anonymous memfd handed over a Unix socket after the token, read-only unless the "
+        "client holds a put), 'auto' (fd when --credentials is set). Default auto.",
+    ),
+    Option(
         "--insecure",
         "insecure",
         parse_bool,

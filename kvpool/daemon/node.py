@@ -58,7 +58,10 @@ class PoolNode:
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
-        self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes)
+        if config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
+            self.arena = SharedArena.create_memfd(config.store.capacity_bytes)
+        else:
+            self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._last_used_ms: dict[bytes, float] = {}  # namespace -> last call that named it
         self._ns_lock = threading.Lock()

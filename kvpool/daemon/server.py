@@ -19,6 +19,7 @@ import grpc
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import Unavailable
+from kvpool.daemon.arena_handoff import ArenaHandoff
 from kvpool.daemon.credentials import load_credentials, load_tls
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
@@ -41,12 +42,20 @@ class PoolServer:
         self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
         self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.node = PoolNode(config, MonotonicClock())
+        self.handoff: ArenaHandoff | None = None
+        if config.arena_by_fd:
+            self.handoff = ArenaHandoff(
+                self.node.arena, config.arena_dir, self.credentials, self.node.store.put_pending
+            )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
         )
         service = PoolService(
-            self.node, max_event_subscribers=max(1, config.grpc_workers // 2), credentials=self.credentials
+            self.node,
+            max_event_subscribers=max(1, config.grpc_workers // 2),
+            credentials=self.credentials,
+            arena_socket=self.handoff.path if self.handoff is not None else "",
         )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
         add_typed_service(self._server, service, pool_pb2, "Pool", limit)
@@ -66,10 +75,14 @@ class PoolServer:
         else:
             reason = "address in use or not local"
         if port == 0:
+            if self.handoff is not None:
+                self.handoff.stop()
             self.node.close()
             raise Unavailable(
                 f"cannot listen on {self.config.listen}: {reason}", hint="pick a free port with --listen 127.0.0.1:PORT"
             )
+        if self.handoff is not None:
+            self.handoff.start(self.supervisor)
         self._server.start()
         self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
@@ -95,6 +108,8 @@ class PoolServer:
         self._stopped.set()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.handoff is not None:
+            self.handoff.stop()  # before the supervisor joins its accept thread
         self.supervisor.stop()
         self.node.events.close()
         self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)

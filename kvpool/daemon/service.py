@@ -62,8 +62,16 @@ def max_request_bytes(max_batch_blocks: int) -> int:
 
 
 class PoolService(pool_pb2_grpc.PoolServicer):
-    def __init__(self, node: PoolNode, max_event_subscribers: int = 4, credentials: Credentials | None = None) -> None:
+    def __init__(
+        self,
+        node: PoolNode,
+        max_event_subscribers: int = 4,
+        credentials: Credentials | None = None,
+        arena_socket: str = "",
+    ) -> None:
+        """``arena_socket``: where clients get the arena (memfd hand-off), "" = by path."""
         self.node = node
+        self.arena_socket = arena_socket
         self.credentials = credentials
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
@@ -150,6 +158,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             hash_scheme=HASH_SCHEME,
             protocol_version=PROTOCOL_VERSION,
             arena_path=self.node.arena.path,
+            arena_socket=self.arena_socket,
             arena_bytes=self.node.arena.capacity_bytes,
             lease_ttl_ms=cfg.lease_ttl_ms,
             max_batch_blocks=cfg.max_batch_blocks,

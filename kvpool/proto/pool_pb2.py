@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpool/proto/pool.proto\x12\tkvpool.v1\"\x96\x01\n\x04Spec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x0c\n\x04kind\x18\x08 \x01(\t\"\x84\x01\n\x0cHelloRequest\x12\x13\n\x0bhash_scheme\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\t\x12\x1d\n\x04spec\x18\x03 \x01(\x0b\x32\x0f.kvpool.v1.Spec\x12\x11\n\tnamespace\x18\x04 \x01(\x0c\x12\x13\n\x0bspec_digest\x18\x05 \x01(\x0c\"\xba\x01\n\nHelloReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bhash_scheme\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\t\x12\x12\n\narena_path\x18\x04 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x05 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\x04\x12\x18\n\x10max_batch_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x08 \x01(\x04\"M\n\rHashesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x01(\x0c\x12\x19\n\x11release_lease_ids\x18\x03 \x03(\x04\"\x1b\n\x0bLookupReply\x12\x0c\n\x04hits\x18\x01 \x01(\r\"n\n\nLeaseReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x15\n\rexpires_in_ms\x18\x05 \x01(\x04\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"\x1f\n\x0cReleaseReply\x12\x0f\n\x07\x65xpired\x18\x01 \x01(\r\"\x82\x01\n\rPutStartReply\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x17\n\x0f\x61lready_present\x18\x04 \x03(\r\x12\x11\n\tin_flight\x18\x05 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\"5\n\x10PutCommitRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x11\n\tchecksums\x18\x02 \x03(\x06\"<\n\x0ePutCommitReply\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x17\n\x0f\x63hecksum_failed\x18\x02 \x03(\r\"!\n\x0fPutAbortRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\"\x07\n\x05\x45mpty\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\\\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x01(\x0c\x12\x0c\n\x04hard\x18\x03 \x01(\x08\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\x12\r\n\x05unpin\x18\x05 \x01(\x08\"\x1b\n\x08PinReply\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\"U\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x18\n\x10namespaces_after\x18\x02 \x01(\x0c\x12\x18\n\x10namespaces_limit\x18\x03 \x01(\r\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"L\n\rEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x16\n\x0e\x61ll_namespaces\x18\x03 \x01(\x08\"z\n\x05\x45vent\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x11\n\tnamespace\x18\x06 \x01(\x0c\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\"<\n\x0fSnapshotRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x16\n\x0e\x61ll_namespaces\x18\x02 \x01(\x08\"B\n\rSnapshotReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\x32\xd5\x05\n\x04Pool\x12\x37\n\x05Hello\x12\x17.kvpool.v1.HelloRequest\x1a\x15.kvpool.v1.HelloReply\x12:\n\x06Lookup\x12\x18.kvpool.v1.HashesRequest\x1a\x16.kvpool.v1.LookupReply\x12\x38\n\x05Lease\x12\x18.kvpool.v1.HashesRequest\x1a\x15.kvpool.v1.LeaseReply\x12=\n\x07Release\x12\x19.kvpool.v1.ReleaseRequest\x1a\x17.kvpool.v1.ReleaseReply\x12>\n\x08PutStart\x12\x18.kvpool.v1.HashesRequest\x1a\x18.kvpool.v1.PutStartReply\x12\x43\n\tPutCommit\x12\x1b.kvpool.v1.PutCommitRequest\x1a\x19.kvpool.v1.PutCommitReply\x12\x38\n\x08PutAbort\x12\x1a.kvpool.v1.PutAbortRequest\x1a\x10.kvpool.v1.Empty\x12:\n\x06Remove\x12\x18.kvpool.v1.HashesRequest\x1a\x16.kvpool.v1.RemoveReply\x12\x31\n\x03Pin\x12\x15.kvpool.v1.PinRequest\x1a\x13.kvpool.v1.PinReply\x12\x37\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x15.kvpool.v1.StatsReply\x12\x36\n\x06\x45vents\x12\x18.kvpool.v1.EventsRequest\x1a\x10.kvpool.v1.Event0\x01\x12@\n\x08Snapshot\x12\x1a.kvpool.v1.SnapshotRequest\x1a\x18.kvpool.v1.SnapshotReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpool/proto/pool.proto\x12\tkvpool.v1\"\x96\x01\n\x04Spec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x0c\n\x04kind\x18\x08 \x01(\t\"\x84\x01\n\x0cHelloRequest\x12\x13\n\x0bhash_scheme\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\t\x12\x1d\n\x04spec\x18\x03 \x01(\x0b\x32\x0f.kvpool.v1.Spec\x12\x11\n\tnamespace\x18\x04 \x01(\x0c\x12\x13\n\x0bspec_digest\x18\x05 \x01(\x0c\"\xd0\x01\n\nHelloReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bhash_scheme\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\t\x12\x12\n\narena_path\x18\x04 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x05 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\x04\x12\x18\n\x10max_batch_blocks\x18\x07 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x08 \x01(\x04\x12\x14\n\x0c\x61rena_socket\x18\t \x01(\t\"M\n\rHashesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x01(\x0c\x12\x19\n\x11release_lease_ids\x18\x03 \x03(\x04\"\x1b\n\x0bLookupReply\x12\x0c\n\x04hits\x18\x01 \x01(\r\"n\n\nLeaseReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x15\n\rexpires_in_ms\x18\x05 \x01(\x04\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"\x1f\n\x0cReleaseReply\x12\x0f\n\x07\x65xpired\x18\x01 \x01(\r\"\x82\x01\n\rPutStartReply\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x17\n\x0f\x61lready_present\x18\x04 \x03(\r\x12\x11\n\tin_flight\x18\x05 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\"5\n\x10PutCommitRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\x12\x11\n\tchecksums\x18\x02 \x03(\x06\"<\n\x0ePutCommitReply\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x17\n\x0f\x63hecksum_failed\x18\x02 \x03(\r\"!\n\x0fPutAbortRequest\x12\x0e\n\x06put_id\x18\x01 \x01(\x04\"\x07\n\x05\x45mpty\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\\\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x01(\x0c\x12\x0c\n\x04hard\x18\x03 \x01(\x08\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\x12\r\n\x05unpin\x18\x05 \x01(\x08\"\x1b\n\x08PinReply\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\"U\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x18\n\x10namespaces_after\x18\x02 \x01(\x0c\x12\x18\n\x10namespaces_limit\x18\x03 \x01(\r\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"L\n\rEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x16\n\x0e\x61ll_namespaces\x18\x03 \x01(\x08\"z\n\x05\x45vent\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x11\n\tnamespace\x18\x06 \x01(\x0c\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\"<\n\x0fSnapshotRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x16\n\x0e\x61ll_namespaces\x18\x02 \x01(\x08\"B\n\rSnapshotReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x0e\n\x06hashes\x18\x03 \x01(\x0c\x32\xd5\x05\n\x04Pool\x12\x37\n\x05Hello\x12\x17.kvpool.v1.HelloRequest\x1a\x15.kvpool.v1.HelloReply\x12:\n\x06Lookup\x12\x18.kvpool.v1.HashesRequest\x1a\x16.kvpool.v1.LookupReply\x12\x38\n\x05Lease\x12\x18.kvpool.v1.HashesRequest\x1a\x15.kvpool.v1.LeaseReply\x12=\n\x07Release\x12\x19.kvpool.v1.ReleaseRequest\x1a\x17.kvpool.v1.ReleaseReply\x12>\n\x08PutStart\x12\x18.kvpool.v1.HashesRequest\x1a\x18.kvpool.v1.PutStartReply\x12\x43\n\tPutCommit\x12\x1b.kvpool.v1.PutCommitRequest\x1a\x19.kvpool.v1.PutCommitReply\x12\x38\n\x08PutAbort\x12\x1a.kvpool.v1.PutAbortRequest\x1a\x10.kvpool.v1.Empty\x12:\n\x06Remove\x12\x18.kvpool.v1.HashesRequest\x1a\x16.kvpool.v1.RemoveReply\x12\x31\n\x03Pin\x12\x15.kvpool.v1.PinRequest\x1a\x13.kvpool.v1.PinReply\x12\x37\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x15.kvpool.v1.StatsReply\x12\x36\n\x06\x45vents\x12\x18.kvpool.v1.EventsRequest\x1a\x10.kvpool.v1.Event0\x01\x12@\n\x08Snapshot\x12\x1a.kvpool.v1.SnapshotRequest\x1a\x18.kvpool.v1.SnapshotReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,45 +36,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLOREQUEST']._serialized_start=192
   _globals['_HELLOREQUEST']._serialized_end=324
   _globals['_HELLOREPLY']._serialized_start=327
-  _globals['_HELLOREPLY']._serialized_end=513
-  _globals['_HASHESREQUEST']._serialized_start=515
-  _globals['_HASHESREQUEST']._serialized_end=592
-  _globals['_LOOKUPREPLY']._serialized_start=594
-  _globals['_LOOKUPREPLY']._serialized_end=621
-  _globals['_LEASEREPLY']._serialized_start=623
-  _globals['_LEASEREPLY']._serialized_end=733
-  _globals['_RELEASEREQUEST']._serialized_start=735
-  _globals['_RELEASEREQUEST']._serialized_end=770
-  _globals['_RELEASEREPLY']._serialized_start=772
-  _globals['_RELEASEREPLY']._serialized_end=803
-  _globals['_PUTSTARTREPLY']._serialized_start=806
-  _globals['_PUTSTARTREPLY']._serialized_end=936
-  _globals['_PUTCOMMITREQUEST']._serialized_start=938
-  _globals['_PUTCOMMITREQUEST']._serialized_end=991
-  _globals['_PUTCOMMITREPLY']._serialized_start=993
-  _globals['_PUTCOMMITREPLY']._serialized_end=1053
-  _globals['_PUTABORTREQUEST']._serialized_start=1055
-  _globals['_PUTABORTREQUEST']._serialized_end=1088
-  _globals['_EMPTY']._serialized_start=1090
-  _globals['_EMPTY']._serialized_end=1097
-  _globals['_REMOVEREPLY']._serialized_start=1099
-  _globals['_REMOVEREPLY']._serialized_end=1129
-  _globals['_PINREQUEST']._serialized_start=1131
-  _globals['_PINREQUEST']._serialized_end=1223
-  _globals['_PINREPLY']._serialized_start=1225
-  _globals['_PINREPLY']._serialized_end=1252
-  _globals['_STATSREQUEST']._serialized_start=1254
-  _globals['_STATSREQUEST']._serialized_end=1339
-  _globals['_STATSREPLY']._serialized_start=1341
-  _globals['_STATSREPLY']._serialized_end=1367
-  _globals['_EVENTSREQUEST']._serialized_start=1369
-  _globals['_EVENTSREQUEST']._serialized_end=1445
-  _globals['_EVENT']._serialized_start=1447
-  _globals['_EVENT']._serialized_end=1569
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1571
-  _globals['_SNAPSHOTREQUEST']._serialized_end=1631
-  _globals['_SNAPSHOTREPLY']._serialized_start=1633
-  _globals['_SNAPSHOTREPLY']._serialized_end=1699
-  _globals['_POOL']._serialized_start=1702
-  _globals['_POOL']._serialized_end=2427
+  _globals['_HELLOREPLY']._serialized_end=535
+  _globals['_HASHESREQUEST']._serialized_start=537
+  _globals['_HASHESREQUEST']._serialized_end=614
+  _globals['_LOOKUPREPLY']._serialized_start=616
+  _globals['_LOOKUPREPLY']._serialized_end=643
+  _globals['_LEASEREPLY']._serialized_start=645
+  _globals['_LEASEREPLY']._serialized_end=755
+  _globals['_RELEASEREQUEST']._serialized_start=757
+  _globals['_RELEASEREQUEST']._serialized_end=792
+  _globals['_RELEASEREPLY']._serialized_start=794
+  _globals['_RELEASEREPLY']._serialized_end=825
+  _globals['_PUTSTARTREPLY']._serialized_start=828
+  _globals['_PUTSTARTREPLY']._serialized_end=958
+  _globals['_PUTCOMMITREQUEST']._serialized_start=960
+  _globals['_PUTCOMMITREQUEST']._serialized_end=1013
+  _globals['_PUTCOMMITREPLY']._serialized_start=1015
+  _globals['_PUTCOMMITREPLY']._serialized_end=1075
+  _globals['_PUTABORTREQUEST']._serialized_start=1077
+  _globals['_PUTABORTREQUEST']._serialized_end=1110
+  _globals['_EMPTY']._serialized_start=1112
+  _globals['_EMPTY']._serialized_end=1119
+  _globals['_REMOVEREPLY']._serialized_start=1121
+  _globals['_REMOVEREPLY']._serialized_end=1151
+  _globals['_PINREQUEST']._serialized_start=1153
+  _globals['_PINREQUEST']._serialized_end=1245
+  _globals['_PINREPLY']._serialized_start=1247
+  _globals['_PINREPLY']._serialized_end=1274
+  _globals['_STATSREQUEST']._serialized_start=1276
+  _globals['_STATSREQUEST']._serialized_end=1361
+  _globals['_STATSREPLY']._serialized_start=1363
+  _globals['_STATSREPLY']._serialized_end=1389
+  _globals['_EVENTSREQUEST']._serialized_start=1391
+  _globals['_EVENTSREQUEST']._serialized_end=1467
+  _globals['_EVENT']._serialized_start=1469
+  _globals['_EVENT']._serialized_end=1591
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1593
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1653
+  _globals['_SNAPSHOTREPLY']._serialized_start=1655
+  _globals['_SNAPSHOTREPLY']._serialized_end=1721
+  _globals['_POOL']._serialized_start=1724
+  _globals['_POOL']._serialized_end=2449
 # @@protoc_insertion_point(module_scope)

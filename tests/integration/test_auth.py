@@ -363,3 +363,37 @@ def test_data_plane_peers_are_admitted_only_with_a_credential(daemon_factory: An
         # the admin token may use every namespace on the data plane too
         ok, _, dst = read(TOKEN_ADMIN)
         assert ok == 4 and np.array_equal(dst, expected)
+
+
+def test_the_arena_is_handed_only_to_admitted_clients(auth_daemon: DaemonHandle) -> None:
+    """Issue 10 item 3: with credentials the arena is a memfd with no path; a client gets a
+    read-only descriptor for its token and the writable one only while it holds a put."""
+    import mmap
+
+    from kvpool.transport.arena_handoff import receive_arena_fd
+
+    assert auth_daemon.arena_files() == []  # no arena file any process of the uid could open
+    with PoolClient.connect(auth_daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
+        socket_path = a._arena.path if a._arena is not None else ""
+        assert socket_path.endswith(".sock") and oct(os.stat(socket_path).st_mode & 0o777) == "0o600"
+        assert a._arena is not None and not a._arena.writable  # read-only until a put
+        hashes = a.hashes(TOKENS)
+        blocks = make_blocks(4, seed=11)
+        assert a.put(hashes, blocks).stored == 4
+        np.testing.assert_array_equal(a.get(hashes), blocks)
+        # the token is checked; a writable descriptor needs a put in flight
+        for token, mode, put_id in (("", "r", 0), ("kvp_wrong", "r", 0), (TOKEN_A, "w", 12345), (TOKEN_B, "w", 1)):
+            with pytest.raises(PermissionDenied):
+                receive_arena_fd(socket_path, mode, put_id, token)
+        ro = receive_arena_fd(socket_path, "r", 0, TOKEN_B)  # any admitted client may map it read-only
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(ro, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):
+                os.ftruncate(ro, 0)
+        finally:
+            os.close(ro)
+        assert a._rw_arena is not None
+        with pytest.raises(PermissionError):  # sealed: no holder can shrink it under the daemon
+            os.ftruncate(a._rw_arena.fd, 0)
+        np.testing.assert_array_equal(a.get(hashes), blocks)
