@@ -397,3 +397,17 @@ def test_the_arena_is_handed_only_to_admitted_clients(auth_daemon: DaemonHandle)
         with pytest.raises(PermissionError):  # sealed: no holder can shrink it under the daemon
             os.ftruncate(a._rw_arena.fd, 0)
         np.testing.assert_array_equal(a.get(hashes), blocks)
+
+
+def test_the_router_follows_a_pool_with_its_tenant_token(auth_daemon: DaemonHandle) -> None:
+    from kvpool.scheduler.router_events import PoolSource
+
+    with PoolClient.connect(auth_daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
+        a.put(a.hashes(TOKENS)[:2], make_blocks(2, seed=12))
+    source = PoolSource(auth_daemon.address, SPEC, b"salt-a", token=TOKEN_A)
+    try:
+        assert len(source.snapshot()[1]) == 2
+    finally:
+        source.close()
+    with pytest.raises(Unauthenticated):
+        PoolSource(auth_daemon.address, SPEC, b"salt-a")
