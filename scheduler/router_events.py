@@ -36,10 +36,11 @@ class EventSource(Protocol):
 class PoolSource:
     """Adapter over ``kvpool.client.PoolClient`` (imported lazily: the client is optional here)."""
 
-    def __init__(self, address: str, spec: KVSpec, salt: bytes = b"") -> None:
+    def __init__(self, address: str, spec: KVSpec, salt: bytes = b"", token: str = "") -> None:
+        """``token``: the tenant credential for a pool with credentials (docs/security.md)."""
         from kvpool.client.pool_client import PoolClient
 
-        self._client = PoolClient.connect(address, spec, salt=salt)
+        self._client = PoolClient.connect(address, spec, salt=salt, token=token)
         self.node_id: str = self._client.node_id or address
 
     def snapshot(self) -> tuple[int, list[bytes]]:

@@ -19,11 +19,18 @@ Guarantees (tests: ``tests/unit/test_arena_capacity.py``,
 - ``allow_overcommit=True`` is the explicit way out: a shortfall is logged as a warning
   and the file stays sparse (pages come lazily, and a client may get SIGBUS when the
   filesystem runs out).
+
+Or, with the arena hand-off (``kvpool.daemon.arena_handoff``), it is an anonymous memfd
+(``create_memfd``: no path any process can open, checked against ``MemAvailable`` and
+reserved the same way, its size sealed so no holder can shrink it under the daemon) whose
+descriptors reach only admitted clients (``from_fd``): a read-only one (``read_only_fd``: a
+mapping of it cannot be made writable) or the read-write one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -168,6 +175,72 @@ class SharedArena:
         return cls(path, capacity_bytes, True, fd, mapping)
 
     @classmethod
+    def create_memfd(
+        cls,
+        capacity_bytes: int,
+        name_hint: str = "kvpool",
+        *,
+        allow_overcommit: bool = False,
+        meminfo_path: str = MEMINFO_PATH,
+    ) -> SharedArena:
+        """A new arena in an anonymous memfd (no file name to open), sealed against shrinking
+        and growing: a client that holds its descriptor cannot make the daemon's pages vanish
+        (SIGBUS) by truncating it. Checked against ``MemAvailable`` and reserved up front like
+        ``create`` (a memfd's pages are shared memory)."""
+        if capacity_bytes <= 0:
+            raise InvalidArgument("arena capacity_bytes must be positive")
+        available = available_memory_bytes(meminfo_path)
+        short = available is not None and capacity_bytes > available
+        if short and not allow_overcommit:
+            raise CapacityExhausted(
+                f"arena of {_size(capacity_bytes)} exceeds available memory (MemAvailable {_size(available or 0)})",
+                hint=OVERCOMMIT_HINT,
+            )
+        try:
+            fd = os.memfd_create(f"{name_hint}-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise StorageFault(f"cannot create a memfd arena: {exc}", hint="use --arena-handoff file") from exc
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            if not short:
+                _reserve(fd, f"memfd:{name_hint}-arena", capacity_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise StorageFault(f"cannot map a {capacity_bytes}-byte memfd arena: {exc}") from exc
+        return cls("", capacity_bytes, True, fd, mapping)
+
+    @classmethod
+    def from_fd(cls, fd: int, capacity_bytes: int, writable: bool, name: str = "") -> SharedArena:
+        """Map an arena descriptor received from the daemon; takes ownership of ``fd``.
+        ``writable`` False maps it read-only (the view is a read-only array). ``name``: where
+        it came from (its ``path``, never unlinked: the client does not own it)."""
+        try:
+            size = os.fstat(fd).st_size
+            if size < capacity_bytes:
+                raise Unavailable(f"the arena handed over is {size} bytes, expected {capacity_bytes}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, prot)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, capacity_bytes, False, fd, mapping)
+
+    def read_only_fd(self) -> int:
+        """A new descriptor of this arena opened O_RDONLY (through /proc/self/fd): whoever
+        receives it can map it only read-only (mmap PROT_WRITE of it is EACCES)."""
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def writable(self) -> bool:
+        return bool(self.view.flags.writeable)
+
+    @classmethod
     def attach(cls, path: str, capacity_bytes: int) -> SharedArena:
         """Map an existing arena (a same-host client)."""
         try:
@@ -226,7 +299,7 @@ class SharedArena:
             pass  # a live numpy view still exports the buffer; the mapping dies with it
         os.close(self._fd)
         self._fd = -1
-        if self.owner:
+        if self.owner and self.path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
@@ -239,7 +312,8 @@ def _reserve(fd: int, path: str, capacity_bytes: int) -> None:
     try:
         os.posix_fallocate(fd, 0, capacity_bytes)
     except OSError as exc:
-        free = filesystem_free_bytes(os.path.dirname(path))
+        folder = os.path.dirname(path)  # "" for a memfd: shared memory, bounded by RAM
+        free = filesystem_free_bytes(folder) if folder else (available_memory_bytes(MEMINFO_PATH) or 0)
         raise CapacityExhausted(
             f"cannot reserve an arena of {_size(capacity_bytes)} at {path}: {exc.strerror} (free now: {_size(free)})",
             hint=OVERCOMMIT_HINT,

@@ -372,6 +372,12 @@ class HostStore:
             self._buffer[offset : offset + pending.block_bytes] = data.reshape(-1).view(np.uint8)
             return True
 
+    def put_pending(self, put_id: int) -> bool:
+        """Whether ``put_id`` is a put started and not yet committed, aborted or reclaimed
+        (the arena hand-off gives a writable mapping only to a client holding one)."""
+        with self._lock:
+            return put_id in self._pending
+
     def put_abort(self, put_id: int) -> None:
         with self._lock:
             pending = self._pending.pop(put_id, None)

@@ -266,6 +266,9 @@ class TieredStore:
     def put_abort(self, put_id: int) -> None:
         self.host.put_abort(put_id)
 
+    def put_pending(self, put_id: int) -> bool:
+        return self.host.put_pending(put_id)
+
     def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
         """Pass-through to ``HostStore.write_slot`` (put slots are host slots; ``slot`` indexes
         the grant's ``slots``, whose order this class keeps when it remaps request indices)."""

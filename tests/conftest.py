@@ -98,8 +98,9 @@ def _arena_parent() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def _probe(address: str) -> bool:
-    """True once the daemon answers a real Stats call."""
+def _probe(address: str, tls_root_certs: bytes | None = None) -> bool:
+    """True once the daemon answers a real Stats call (a daemon with credentials answers
+    this token-less call UNAUTHENTICATED: that is an answer too)."""
     import grpc
 
     from kvpool.proto import pool_pb2, pool_pb2_grpc
@@ -110,12 +111,15 @@ def _probe(address: str) -> bool:
             pass
     except OSError:
         return False
-    channel = grpc.insecure_channel(address)
+    if tls_root_certs is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_root_certs))
+    else:
+        channel = grpc.insecure_channel(address)
     try:
         pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
         return True
-    except grpc.RpcError:
-        return False
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         channel.close()
 
@@ -126,6 +130,7 @@ def start_daemon(
     env: Mapping[str, str] | None = None,
     port: int | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    tls_root_certs: bytes | None = None,
 ) -> DaemonHandle:
     """Start ``kvpool serve`` on 127.0.0.1 and wait until it answers a Stats call.
 
@@ -133,6 +138,7 @@ def start_daemon(
     ``env`` is added to a copy of the current environment. Pass ``port`` to restart a
     daemon on the same address. Raises RuntimeError with the daemon's stderr when it
     exits or does not answer within ``ready_timeout_s``. Call ``cleanup()`` when done.
+    ``tls_root_certs`` (PEM): probe a daemon that serves TLS.
     """
     port = port or free_port()
     address = f"127.0.0.1:{port}"
@@ -159,7 +165,7 @@ def start_daemon(
             text = handle.stderr()
             handle.cleanup()
             raise RuntimeError(f"kvpool daemon on {address} exited with {proc.returncode} at start:\n{text}")
-        if _probe(address):
+        if _probe(address, tls_root_certs):
             return handle
         if time.monotonic() > deadline:
             text = handle.stderr()
@@ -192,8 +198,8 @@ def daemon_factory() -> Iterator[object]:
     started: list[DaemonHandle] = []
 
     def make(*extra_args: str, capacity: str = "64MiB", env: Mapping[str, str] | None = None,
-             port: int | None = None) -> DaemonHandle:  # fmt: skip
-        handle = start_daemon(*extra_args, capacity=capacity, env=env, port=port)
+             port: int | None = None, tls_root_certs: bytes | None = None) -> DaemonHandle:  # fmt: skip
+        handle = start_daemon(*extra_args, capacity=capacity, env=env, port=port, tls_root_certs=tls_root_certs)
         started.append(handle)
         return handle
 

@@ -30,6 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--election-ttl-s", type=int, default=2, help="leader lease TTL in etcd (default 2)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--credentials", default="", help="credentials file: who may call (docs/security.md). Default: anyone"
+    )
+    parser.add_argument(
+        "--cluster-token-file", default="", help="file holding the cluster token, presented to nodes on forwards"
+    )
+    parser.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback --listen without credentials (trusted net)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             node_ttl_ms=args.node_ttl_ms,
             election_ttl_s=args.election_ttl_s,
+            credentials_file=args.credentials,
+            cluster_token_file=args.cluster_token_file,
+            insecure=args.insecure,
         )
         server = DirectoryServer(config)
         server.start()

@@ -6,7 +6,9 @@
   kvpool inspect events [--from-seq N] [--count N]   follow stored/removed events
   kvpool inspect blocks [--limit N]    block hashes the node holds (hex)
 
-The address comes from --address, else KVPOOL_ADDRESS, else 127.0.0.1:7450.
+The address comes from --address, else KVPOOL_ADDRESS, else 127.0.0.1:7450. Against a
+daemon with credentials pass an admin token with --token (else KVPOOL_TOKEN); against one
+that serves TLS, the CA certificate with --tls-ca FILE (else KVPOOL_TLS_CA).
 """
 
 from __future__ import annotations
@@ -51,10 +53,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", default=None, help=f"daemon HOST:PORT (env KVPOOL_ADDRESS; default {DEFAULT_ADDRESS})"
     )
+    add_connection_arguments(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
     parser.add_argument("--from-seq", type=int, default=0, help="events: first sequence number (0 = oldest kept)")
     parser.add_argument("--count", type=int, default=0, help="events: stop after this many (0 = follow forever)")
     parser.add_argument("--limit", type=int, default=100, help="blocks: most hashes to print")
+
+
+#: largest CA certificate file read, in bytes
+MAX_CA_FILE_BYTES = 1 << 20
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """--token and --tls-ca, shared by the CLI commands that call a daemon."""
+    parser.add_argument("--token", default=None, help="bearer token for a daemon with credentials (env KVPOOL_TOKEN)")
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="FILE", help="PEM CA certificate of a TLS daemon (env KVPOOL_TLS_CA)"
+    )
+
+
+def open_admin(args: argparse.Namespace, address: str) -> PoolAdmin:
+    """A PoolAdmin with the token and CA from the flags, else the environment (read only
+    here, in the CLI's composition root)."""
+    from kvpool.client.admin import PoolAdmin
+    from kvpool.daemon.credentials import read_bounded
+
+    token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
+    ca_path = args.tls_ca if args.tls_ca is not None else os.environ.get("KVPOOL_TLS_CA", "")
+    root_certs = read_bounded(ca_path, MAX_CA_FILE_BYTES, "CA certificate") if ca_path else None
+    return PoolAdmin(address, token=token, tls_root_certs=root_certs)
 
 
 def human_bytes(n: float) -> str:
@@ -115,12 +142,11 @@ def _all_namespaces(admin: PoolAdmin) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.client.admin import PoolAdmin
     from kvpool.core.errors import KVPoolError
 
     address = args.address or os.environ.get("KVPOOL_ADDRESS") or DEFAULT_ADDRESS
     try:
-        with PoolAdmin(address) as admin:
+        with open_admin(args, address) as admin:
             if args.what == "stats":
                 stats = admin.stats()
                 print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_stats(stats))

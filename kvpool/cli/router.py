@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec", default="", help="KVSpec as JSON (or @file.json) of the namespace to hash tokens in and follow"
     )
     parser.add_argument("--salt", default="", help="tenant salt of that namespace (utf-8)")
+    parser.add_argument(
+        "--token", default=None, help="the tenant's token for a pool with credentials (env KVPOOL_TOKEN)"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -80,11 +84,12 @@ def run(args: argparse.Namespace) -> int:
         )
         server = RouterServer(core, args.listen, args.http_listen or None)
         follower = None
+        token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
         if args.pool:
             if spec is None:
                 print("kvpool router: --pool needs --spec (the namespace to follow)", file=sys.stderr)
                 return 2
-            follower = EventFollower(lambda: PoolSource(args.pool, spec, args.salt.encode()), core)
+            follower = EventFollower(lambda: PoolSource(args.pool, spec, args.salt.encode(), token), core)
     except (KVPoolError, OSError, ValueError) as exc:
         print(f"kvpool router: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from kvpool.cli.inspect import DEFAULT_ADDRESS, hit_rate_text, human_bytes
+from kvpool.cli.inspect import DEFAULT_ADDRESS, add_connection_arguments, hit_rate_text, human_bytes, open_admin
 
 #: counters shown as per-second rates (lookups and reads in blocks: docs/architecture.md "Counters")
 RATE_KEYS = ("lookup_hit_blocks", "lookup_missed_blocks", "read_hit_blocks", "puts", "evictions", "checksum_failures")
@@ -21,19 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", default=None, help=f"daemon HOST:PORT (env KVPOOL_ADDRESS; default {DEFAULT_ADDRESS})"
     )
+    add_connection_arguments(parser)
     parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between refreshes")
     parser.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0 = until Ctrl-C)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.client.admin import PoolAdmin
     from kvpool.core.errors import KVPoolError
 
     address = args.address or os.environ.get("KVPOOL_ADDRESS") or DEFAULT_ADDRESS
     previous: dict[str, int] = {}
     n = 0
     try:
-        with PoolAdmin(address) as admin:
+        with open_admin(args, address) as admin:
             while True:
                 stats = admin.stats()
                 capacity = stats.get("capacity_bytes", 0) or 1

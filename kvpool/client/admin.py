@@ -4,7 +4,9 @@ The inspection CLI uses it; it needs no KVSpec and maps no arena, so it works fr
 host that can reach the daemon's control port. Without a ``namespace`` it asks for the
 admin views (every namespace's events and blocks, the namespace list), which a daemon
 serves only where admin views are enabled on its listener (docs/security.md); with one
-(``PoolClient`` passes its own) every view is scoped to that namespace.
+(``PoolClient`` passes its own) every view is scoped to that namespace. Against a daemon
+with credentials the admin views need an admin ``token``; ``tls_root_certs`` (PEM) opens a
+TLS channel.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ import grpc
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import unpack_hashes
 from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import event_from_msg
 from kvpool.rpc.errors import from_rpc_error
 
 
 class PoolAdmin:
     def __init__(
-        self, address: str, timeout_s: float = 5.0, channel: grpc.Channel | None = None, namespace: bytes = b""
+        self,
+        address: str,
+        timeout_s: float = 5.0,
+        channel: grpc.Channel | None = None,
+        namespace: bytes = b"",
+        token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> None:
         """``channel``: share an existing channel (PoolClient does); it is then not closed here.
         ``namespace``: scope every view to this namespace digest ("" = admin views)."""
@@ -32,7 +41,8 @@ class PoolAdmin:
         self.namespace = namespace
         self.timeout_s = timeout_s
         self._owns_channel = channel is None
-        self._channel = channel if channel is not None else grpc.insecure_channel(address)
+        self._metadata = call_metadata(token)
+        self._channel = channel if channel is not None else make_channel(address, (), tls_root_certs)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
 
     def __enter__(self) -> PoolAdmin:
@@ -48,7 +58,7 @@ class PoolAdmin:
             namespace=self.namespace, namespaces_after=namespaces_after, namespaces_limit=namespaces_limit
         )
         try:
-            reply = self._stub.Stats(request, timeout=self.timeout_s)
+            reply = self._stub.Stats(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         result: dict[str, Any] = json.loads(reply.json)
@@ -60,7 +70,7 @@ class PoolAdmin:
         scope = namespace or self.namespace
         request = pool_pb2.SnapshotRequest(namespace=scope, all_namespaces=not scope)
         try:
-            reply = self._stub.Snapshot(request, timeout=self.timeout_s)
+            reply = self._stub.Snapshot(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         return int(reply.last_seq), unpack_hashes(reply.hashes)
@@ -71,7 +81,7 @@ class PoolAdmin:
         namespace's (node-wide seq numbers; an admin view)."""
         request = pool_pb2.EventsRequest(from_seq=from_seq, namespace=self.namespace, all_namespaces=not self.namespace)
         try:
-            for msg in self._stub.Events(request):
+            for msg in self._stub.Events(request, metadata=self._metadata):
                 yield event_from_msg(msg)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:

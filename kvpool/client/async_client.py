@@ -25,11 +25,13 @@ from kvpool.client.pool_client import (
     out_rows,
     put_result,
     put_rows,
+    writable_arena,
 )
 from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.storage.arena import SharedArena
@@ -39,13 +41,22 @@ T = TypeVar("T")
 
 
 class AsyncPoolClient:
-    def __init__(self, address: str, namespace: Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        namespace: Namespace,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
+    ) -> None:
         self.address = address
         self.namespace = namespace
         self.spec = namespace.spec
         self.timeout_s = timeout_s
         self._ns_digest = namespace.digest()
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        self._token = token
+        self._metadata = call_metadata(token)
+        self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs, aio=True)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._arena: SharedArena | None = None
         self._pending_releases: list[int] = []
@@ -54,9 +65,17 @@ class AsyncPoolClient:
 
     @classmethod
     async def connect(
-        cls, address: str, spec: KVSpec, salt: bytes = b"", adapter: str = "", timeout_s: float = DEFAULT_TIMEOUT_S
+        cls,
+        address: str,
+        spec: KVSpec,
+        salt: bytes = b"",
+        adapter: str = "",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> AsyncPoolClient:
-        client = cls(address, Namespace(spec, salt, adapter), timeout_s)
+        """Connect, register the namespace, map the arena (``token``: see ``PoolClient.connect``)."""
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs)
         try:
             await client._hello()
         except BaseException:
@@ -72,13 +91,13 @@ class AsyncPoolClient:
 
     async def _rpc(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
 
     async def _hello(self) -> None:
         reply = await self._rpc(self._stub.Hello, hello_request(self.namespace))
-        self._arena = attach_arena(self._arena, reply, self.spec)
+        self._arena = attach_arena(self._arena, reply, self.spec, self._token)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 
@@ -116,6 +135,12 @@ class AsyncPoolClient:
         if start.put_id == 0:
             return put_result(start, None)
         try:
+            self.arena  # noqa: B018 -- Unavailable if not connected
+            assert self._arena is not None
+            if not self._arena.writable:  # a handed-out arena: the writable one, for this put's holder
+                writable = writable_arena(self._arena, int(start.put_id), self._token)
+                self._arena.close()  # no view of it is held across an await
+                self._arena = writable
             checksums = write_rows(self.arena, rows, start.indices, start.offsets)
         except BaseException:
             await self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))

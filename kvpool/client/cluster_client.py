@@ -53,6 +53,7 @@ from kvpool.core.spec import KVSpec, Namespace
 from kvpool.directory.etcd import EtcdClient
 from kvpool.directory.link import DirectoryLink
 from kvpool.proto import directory_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.transport.base import ReadItem, Transport
@@ -98,10 +99,15 @@ class ClusterClient:
         failover_wait_ms: int = DEFAULT_FAILOVER_WAIT_MS,
         clock: Clock | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        token: str = "",
     ) -> None:
+        """``token``: the tenant credential presented to every node's control plane (the
+        same-host clients and Hello on a put target)."""
         if failover_wait_ms < 0:
             raise InvalidArgument("failover_wait_ms must be >= 0")
         self.link = link
+        self._token = token
+        self._metadata = call_metadata(token)
         self.namespace = namespace
         self.spec = namespace.spec
         self._ns = namespace.digest()
@@ -153,13 +159,14 @@ class ClusterClient:
         same_host_shm: bool = True,
         timeout_s: float = 10.0,
         failover_wait_ms: int = DEFAULT_FAILOVER_WAIT_MS,
+        token: str = "",
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
         given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long a
         put waits for a directory leader during a failover."""
         namespace = Namespace(spec, salt, adapter)
-        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s)
-        local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s) if local else None
+        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s, token=token)
+        local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token) if local else None
         try:
             link.discover()
             if not host and local_client is not None:
@@ -168,13 +175,14 @@ class ClusterClient:
             return cls(
                 link,
                 namespace,
-                make_transport(transport, timeout_s),
+                make_transport(transport, timeout_s, token=token),
                 local_client,
                 host,
                 replicate_after,
                 same_host_shm,
                 timeout_s,
-                failover_wait_ms,
+                failover_wait_ms=failover_wait_ms,
+                token=token,
             )
         except BaseException:
             if local_client is not None:
@@ -346,7 +354,12 @@ class ClusterClient:
             client = self._same_host.get(holder.node_id)
         if client is None:
             client = PoolClient.connect(
-                holder.control_address, self.spec, self.namespace.salt, self.namespace.adapter, self.timeout_s
+                holder.control_address,
+                self.spec,
+                self.namespace.salt,
+                self.namespace.adapter,
+                self.timeout_s,
+                token=self._token,
             )
             with self._lock:
                 self._same_host[holder.node_id] = client
@@ -532,7 +545,9 @@ class ClusterClient:
             return
         channel = grpc.insecure_channel(holder.control_address, options=channel_options(64 << 20))
         try:
-            pool_pb2_grpc.PoolStub(channel).Hello(hello_request(self.namespace), timeout=self.timeout_s)
+            pool_pb2_grpc.PoolStub(channel).Hello(
+                hello_request(self.namespace), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, holder.control_address) from None
         finally:

@@ -7,6 +7,10 @@
         arr = c.get(hashes[:n])           # new array
         c.get_into(hashes[:n], out)       # into the caller's buffer
 
+Against a daemon with credentials pass ``token=`` (sent as ``authorization: Bearer``
+metadata on every call) and, where it serves TLS, ``tls_root_certs=`` (PEM bytes of the
+CA that signed its certificate); docs/security.md.
+
 One control round trip per batch (gRPC on 127.0.0.1), one memcpy per block through
 the node's shared-memory arena, a checksum on each block at both ends. Releases of
 read leases ride on the next call (or ``close``); a lease never released expires after
@@ -31,9 +35,11 @@ from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.storage.arena import SharedArena
+from kvpool.transport.arena_handoff import receive_arena_fd
 
 log = logging.getLogger("kvpool.client")
 
@@ -62,16 +68,31 @@ def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
     )
 
 
-def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: KVSpec) -> SharedArena:
+def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: KVSpec, token: str = "") -> SharedArena:
     """Check a Hello reply against the spec and map the node's arena (again only if it moved:
-    a restarted daemon has a new arena file). Shared by the sync and async clients."""
+    a restarted daemon has a new arena file or socket). Shared by the sync and async clients.
+    A node that hands its arena out (``arena_socket``) gives this client a read-only
+    descriptor for its token; ``writable_arena`` gets the writable one for a put."""
     if reply.block_bytes != spec.block_bytes:
         raise InvalidArgument(f"daemon reports {reply.block_bytes}-byte blocks, spec says {spec.block_bytes}")
-    if current is not None and current.path == reply.arena_path:
+    source = reply.arena_socket or reply.arena_path
+    if current is not None and current.path == source:
         return current
     if current is not None:
         current.close()
+    if reply.arena_socket:
+        fd = receive_arena_fd(reply.arena_socket, "r", 0, token)
+        return SharedArena.from_fd(fd, reply.arena_bytes, writable=False, name=reply.arena_socket)
     return SharedArena.attach(reply.arena_path, reply.arena_bytes)
+
+
+def writable_arena(current: SharedArena, put_id: int, token: str) -> SharedArena:
+    """The read-write mapping of a handed-out arena, for the holder of ``put_id`` (a node
+    that serves its arena by path maps it read-write already: ``current`` is returned)."""
+    if current.writable:
+        return current
+    fd = receive_arena_fd(current.path, "w", put_id, token)
+    return SharedArena.from_fd(fd, current.capacity_bytes, writable=True, name=current.path)
 
 
 def hashes_request(
@@ -107,16 +128,26 @@ def put_result(start: pool_pb2.PutStartReply, done: pool_pb2.PutCommitReply | No
 class PoolClient:
     """Synchronous client of one same-host node. Safe to share between threads."""
 
-    def __init__(self, address: str, namespace: Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        namespace: Namespace,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
+    ) -> None:
         self.address = address
         self.namespace = namespace
         self.spec = namespace.spec
         self.timeout_s = timeout_s
         self._ns_digest = namespace.digest()
-        self._channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        self._token = token
+        self._metadata = call_metadata(token)
+        self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
-        self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest)
+        self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest, token=token)
         self._arena: SharedArena | None = None
+        self._rw_arena: SharedArena | None = None  # the writable mapping of a handed-out arena
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
         self.node_id = ""
@@ -130,9 +161,12 @@ class PoolClient:
         salt: bytes = b"",
         adapter: str = "",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> PoolClient:
-        """Connect to the daemon at ``address``, register the namespace, map the arena."""
-        client = cls(address, Namespace(spec, salt, adapter), timeout_s)
+        """Connect to the daemon at ``address``, register the namespace, map the arena.
+        ``token``: the credential the daemon's operator issued (none on the loopback default)."""
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs)
         try:
             client._hello()
         except BaseException:
@@ -149,13 +183,17 @@ class PoolClient:
     # -- plumbing ------------------------------------------------------------------------
     def _rpc(self, method: Callable[..., T], request: Any) -> T:
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
 
     def _hello(self) -> None:
         reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
-        self._arena = attach_arena(self._arena, reply, self.spec)
+        arena = attach_arena(self._arena, reply, self.spec, self._token)
+        if arena is not self._arena and self._rw_arena is not None:
+            self._rw_arena.close()  # the daemon restarted: its old arena is gone
+            self._rw_arena = None
+        self._arena = arena
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 
@@ -184,6 +222,18 @@ class PoolClient:
             raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
         return self._arena.view
 
+    def _writable(self, put_id: int) -> np.ndarray:
+        """The arena as a writable array, asking the node for it once (holding ``put_id``)."""
+        arena = self.arena  # Unavailable if not connected
+        current = self._arena
+        assert current is not None
+        if current.writable:
+            return arena
+        with self._lock:
+            if self._rw_arena is None:
+                self._rw_arena = writable_arena(current, put_id, self._token)
+            return self._rw_arena.view
+
     # -- API -----------------------------------------------------------------------------
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
         """The block-hash chain of a prompt in this client's namespace (full blocks only)."""
@@ -205,7 +255,7 @@ class PoolClient:
         if start.put_id == 0:
             return put_result(start, None)
         try:
-            checksums = write_rows(self.arena, rows, start.indices, start.offsets)
+            checksums = write_rows(self._writable(start.put_id), rows, start.indices, start.offsets)
         except BaseException:
             self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise
@@ -295,6 +345,9 @@ class PoolClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        if self._rw_arena is not None:
+            self._rw_arena.close()
+            self._rw_arena = None
         self._channel.close()
 
     def _release_later(self, lease_id: int) -> None:

@@ -99,7 +99,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         salt = opts.salt.encode()
         timeout_s = opts.timeout_ms / 1000.0
         pool = ResilientPool(
-            lambda: PoolClient.connect(opts.pool_address, spec, salt=salt, timeout_s=timeout_s),
+            lambda: PoolClient.connect(opts.pool_address, spec, salt=salt, timeout_s=timeout_s, token=opts.token),
             Namespace(spec, salt),
             MonotonicClock(),
             opts.retry_interval_ms,

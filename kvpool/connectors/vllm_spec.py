@@ -23,12 +23,13 @@ seed: the fingerprint is the seed. No vLLM import here (plain attribute reads).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvpool.core.auth import MAX_TOKEN_BYTES
 from kvpool.core.errors import InvalidArgument, SpecMismatch
 from kvpool.core.spec import KVSpec
 
@@ -53,6 +54,8 @@ class ConnectorOptions:
     retry_interval_ms: int = 5_000  # while the pool is down, try again this often
     max_pending_save_bytes: int = 256 << 20  # saves queued for the background writer; past it, saves drop
     stats_path: str = ""  # write the connector's counters as JSON here at shutdown
+    # the tenant's bearer token for a pool with credentials (docs/security.md); kept out of repr (logs)
+    token: str = field(default="", repr=False)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -79,6 +82,8 @@ class ConnectorOptions:
         opts = cls(**values)
         if len(opts.salt.encode()) > MAX_SALT_BYTES:
             raise InvalidArgument(f"kvpool salt is longer than {MAX_SALT_BYTES} bytes")
+        if len(opts.token.encode()) > MAX_TOKEN_BYTES:
+            raise InvalidArgument(f"kvpool token is longer than {MAX_TOKEN_BYTES} bytes")
         if opts.timeout_ms == 0 or opts.retry_interval_ms == 0:
             raise InvalidArgument("kvpool timeout_ms and retry_interval_ms must be positive")
         return opts

@@ -3,6 +3,7 @@ daemon/CLI composition roots (``kvpool.daemon.config_loader``)."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from kvpool.core.errors import InvalidArgument
@@ -116,6 +117,7 @@ class ClusterConfig:
     kv_events_endpoint: str = ""  # ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://127.0.0.1:5557
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
+    token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
 
     def __post_init__(self) -> None:
         if self.transport not in ("tcp", "ucx"):
@@ -155,6 +157,15 @@ class DaemonConfig:
     admin_views: str = "loopback"
     max_namespaces: int = 4096  # namespaces registered at once; blockless idle ones are retired first
     namespace_idle_ms: int = 600_000  # a namespace with no blocks and no call for this long is retired
+    # authentication (docs/security.md): a credentials file (token hashes -> tenants, admins);
+    # "" = none, allowed only on a loopback --listen unless ``insecure``
+    credentials_file: str = ""
+    tls_cert_file: str = ""  # PEM certificate chain of the control-plane listener; "" = plaintext
+    tls_key_file: str = ""  # its PEM private key
+    insecure: bool = False  # allow a non-loopback listener without credentials or TLS
+    # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
+    # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
+    arena_handoff: str = "auto"
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -166,12 +177,56 @@ class DaemonConfig:
             raise InvalidArgument(f"admin_views {self.admin_views!r} is not 'loopback', 'on' or 'off'")
         if self.max_namespaces <= 0 or self.namespace_idle_ms <= 0:
             raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
+        if self.arena_handoff not in ("auto", "file", "fd"):
+            raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
+        self._refuse_open_listeners()
+
+    def _refuse_open_listeners(self) -> None:
+        """A listener off loopback needs credentials and TLS (a bearer token in plaintext
+        can be read off the wire), unless the operator says ``insecure``. Checked here, at
+        validation, so the daemon refuses before it binds anything."""
+        if self.insecure:
+            return
+        open_ports = [a for a in (self.listen, self.cluster.data_listen) if a and not is_loopback_address(a)]
+        if not open_ports:
+            return
+        missing = [
+            what
+            for what, ok in (("--credentials", self.credentials_file), ("--tls-cert-file", self.tls_cert_file))
+            if not ok
+        ]
+        if missing:
+            raise InvalidArgument(
+                f"refusing to listen on {', '.join(open_ports)} (not loopback) without {' and '.join(missing)}",
+                hint="configure credentials and TLS (docs/security.md), keep the daemon on 127.0.0.1, "
+                "or pass --insecure on a network you trust",
+            )
+
+    @property
+    def arena_by_fd(self) -> bool:
+        """Whether the arena is a memfd handed to admitted clients (docs/security.md)."""
+        return self.arena_handoff == "fd" or (self.arena_handoff == "auto" and bool(self.credentials_file))
 
     @property
     def admin_enabled(self) -> bool:
-        """Whether this listener serves admin views. Until credentials exist (docs/security.md)
-        the loopback default serves them to every local caller that asks explicitly."""
+        """Whether this listener serves admin views at all. Without credentials the loopback
+        default serves them to every local caller that asks; with credentials only to an
+        admin credential, and only where this is true (docs/security.md)."""
+        if self.credentials_file:
+            return self.admin_views != "off"
         if self.admin_views != "loopback":
             return self.admin_views == "on"
-        host = self.listen.rpartition(":")[0].strip("[]")
-        return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+        return is_loopback_address(self.listen)
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether HOST:PORT names a loopback host: 127.0.0.0/8, ::1 or localhost."""
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere

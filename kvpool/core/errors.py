@@ -26,7 +26,8 @@ class ErrorCode(enum.Enum):
     VERSION_MISMATCH = ("VERSION_MISMATCH", 9)  # scheme or protocol version differs
     NOT_LEADER = ("NOT_LEADER", 9)  # talk to the leader instead
     UNSUPPORTED_MODEL = ("UNSUPPORTED_MODEL", 12)  # UNIMPLEMENTED: the pool cannot hold this model's KV exactly
-    PERMISSION_DENIED = ("PERMISSION_DENIED", 7)  # an admin view this listener does not serve
+    PERMISSION_DENIED = ("PERMISSION_DENIED", 7)  # a namespace / admin call this credential does not allow
+    UNAUTHENTICATED = ("UNAUTHENTICATED", 16)  # no credential, or one the daemon does not know
     STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
     INTERNAL = ("INTERNAL", 13)
 
@@ -126,6 +127,12 @@ class PermissionDenied(KVPoolError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class Unauthenticated(KVPoolError):
+    """The daemon requires a credential and the call carried none it knows (docs/security.md)."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
 class StorageFault(KVPoolError):
     code = ErrorCode.STORAGE_FAULT
 
@@ -150,6 +157,7 @@ _BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
         VersionMismatch,
         NotLeader,
         PermissionDenied,
+        Unauthenticated,
         StorageFault,
         InternalError,
     )

@@ -87,8 +87,11 @@ class Proc:
 class LocalCluster:
     """Start and stop the processes of a loopback cluster under ``workdir``."""
 
-    def __init__(self, workdir: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: str, env: dict[str, str] | None = None, token: str = "") -> None:
+        """``token``: what the readiness probes present to processes started with
+        credentials (the cluster token or an admin's)."""
         self.workdir = workdir
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.env = {**os.environ, **(env or {})}
         self.procs: list[Proc] = []
         self.etcd_address = ""
@@ -148,6 +151,7 @@ class LocalCluster:
         node_ttl_ms: int = 3000,
         port: int = 0,
         wait_leader: bool = True,
+        extra: Sequence[str] = (),
     ) -> Proc:
         address = f"127.0.0.1:{port or free_port()}"
         argv = [
@@ -163,6 +167,7 @@ class LocalCluster:
             "1",
             "--log-level",
             "INFO",
+            *extra,
         ]
         if data_dir:
             argv += ["--data-dir", data_dir]
@@ -170,7 +175,9 @@ class LocalCluster:
 
         def ready() -> bool:
             with grpc.insecure_channel(address) as ch:
-                reply = directory_pb2_grpc.DirectoryStub(ch).Leader(directory_pb2.LeaderRequest(), timeout=1)
+                reply = directory_pb2_grpc.DirectoryStub(ch).Leader(
+                    directory_pb2.LeaderRequest(), timeout=1, metadata=self._metadata
+                )
                 return bool(reply.is_leader) or not wait_leader
 
         wait_until(ready, 20, f"directory {name}", proc.popen)
@@ -218,7 +225,7 @@ class LocalCluster:
 
         def ready() -> bool:
             with grpc.insecure_channel(address) as ch:
-                stats = pool_pb2_grpc.PoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=1)
+                stats = pool_pb2_grpc.PoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=1, metadata=self._metadata)
                 proc.extra["arena_path"] = json.loads(stats.json).get("arena_path", "")
                 return True
 
@@ -229,7 +236,9 @@ class LocalCluster:
                 for directory in directories:
                     with grpc.insecure_channel(directory) as ch:
                         try:
-                            nodes = directory_pb2_grpc.DirectoryStub(ch).Nodes(directory_pb2.NodesRequest(), timeout=1)
+                            nodes = directory_pb2_grpc.DirectoryStub(ch).Nodes(
+                                directory_pb2.NodesRequest(), timeout=1, metadata=self._metadata
+                            )
                         except grpc.RpcError:
                             continue
                         if any(n.node_id == name for n in nodes.nodes):

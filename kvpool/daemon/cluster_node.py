@@ -19,11 +19,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.core.auth import Credentials
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import block_keys
+from kvpool.daemon.credentials import load_token
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.directory.etcd import EtcdClient, Membership
@@ -107,8 +109,13 @@ def event_msg(event: KVEvent) -> directory_pb2.BlockEvent:
 class ClusterAgent:
     """Everything a node does in cluster mode; started and stopped by ``PoolServer``."""
 
-    def __init__(self, node: PoolNode, config: DaemonConfig, supervisor: Supervisor) -> None:
+    def __init__(
+        self, node: PoolNode, config: DaemonConfig, supervisor: Supervisor, credentials: Credentials | None = None
+    ) -> None:
+        """``credentials``: the node's (the same file as its control plane's): data-plane
+        peers must pass AUTH with one of its tokens, for namespaces that token may use."""
         self.node = node
+        self.credentials = credentials
         self.config = config
         self.cluster = config.cluster
         self.supervisor = supervisor
@@ -130,7 +137,9 @@ class ClusterAgent:
     def start(self) -> None:
         if self.cluster.enabled:
             listen = self.cluster.data_listen or f"{self.config.listen.rpartition(':')[0]}:0"
-            self.data_server = make_data_server(self.cluster.transport, NodeBlockStore(self.node), listen)
+            self.data_server = make_data_server(
+                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials
+            )
             self.data_server.start()
             log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)
         if self.etcd is not None:
@@ -141,7 +150,9 @@ class ClusterAgent:
             period_ms = max(100, self.cluster.liveness_ttl_s * 1000 // 3)
             self.supervisor.every("etcd-liveness", period_ms, self.membership.tick)
         if self.cluster.directory_list or self.etcd is not None:
-            self.link = DirectoryLink(self.cluster.directory_list, self.etcd, self.cluster.cluster)
+            self.link = DirectoryLink(
+                self.cluster.directory_list, self.etcd, self.cluster.cluster, token=load_token(self.cluster.token_file)
+            )
             self.supervisor.spawn("directory-sync", self._sync_loop)
         if self.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_events import VllmEventPublisher

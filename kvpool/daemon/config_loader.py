@@ -222,6 +222,36 @@ OPTIONS: list[Option] = [
         "See docs/security.md.",
     ),
     Option(
+        "--credentials",
+        "credentials_file",
+        str,
+        "credentials file (JSON, or TOML if it ends in .toml): tenants' and admins' token sha256s, "
+        "the namespace digests each tenant may use, the cluster token's sha256. Every call then needs "
+        "'authorization: Bearer TOKEN'. Default: none (allowed only on a loopback --listen). See docs/security.md.",
+    ),
+    Option(
+        "--tls-cert-file",
+        "tls_cert_file",
+        str,
+        "PEM certificate chain for TLS on the control-plane listener. Default: none (plaintext).",
+    ),
+    Option("--tls-key-file", "tls_key_file", str, "PEM private key of --tls-cert-file. Default: none."),
+    Option(
+        "--arena-handoff",
+        "arena_handoff",
+        str,
+        "how same-host clients get the arena: 'file' (a 0600 file in --arena-dir, opened by path), "
+        "'fd' (an anonymous memfd handed over a Unix socket after the token, read-only unless the "
+        "client holds a put), 'auto' (fd when --credentials is set). Default auto.",
+    ),
+    Option(
+        "--insecure",
+        "insecure",
+        parse_switch,
+        "allow a non-loopback --listen / --data-listen without credentials and TLS (a trusted, "
+        "firewalled network only). Default off.",
+    ),
+    Option(
         "--max-namespaces",
         "max_namespaces",
         int,
@@ -255,6 +285,13 @@ OPTIONS: list[Option] = [
         str,
         "data-plane address peers read blocks from, HOST:PORT. "
         "Default: 127.0.0.1 on a free port when --directory/--etcd is set, else no data plane.",
+    ),
+    Option(
+        "--cluster-token-file",
+        "cluster.token_file",
+        str,
+        "file holding the cluster token this node presents to a directory with credentials "
+        "(its sha256 is [cluster] token_sha256 there). Default: none.",
     ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp or ucx. Default tcp."),
     Option(

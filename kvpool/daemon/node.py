@@ -61,9 +61,11 @@ class PoolNode:
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
-        self.arena = SharedArena.create(
-            config.arena_dir, config.store.capacity_bytes, allow_overcommit=config.store.allow_overcommit
-        )
+        overcommit = config.store.allow_overcommit
+        if config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
+            self.arena = SharedArena.create_memfd(config.store.capacity_bytes, allow_overcommit=overcommit)
+        else:
+            self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes, allow_overcommit=overcommit)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._last_used_ms: dict[bytes, float] = {}  # namespace -> last call that named it
         self._ns_lock = threading.Lock()

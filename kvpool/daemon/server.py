@@ -1,7 +1,8 @@
 """``kvpool serve``: the embedded single-machine default (one process = node + directory).
 
-Start-up: map the arena, build the store, start the gRPC server on the configured
-127.0.0.1 address, start the sweeper. SIGTERM / SIGINT: stop accepting calls, let
+Start-up: read the credentials file and TLS key pair if configured (a daemon that cannot
+read them does not start), map the arena, build the store, start the gRPC server on the
+configured address (TLS when configured), start the sweeper. SIGTERM / SIGINT: stop accepting calls, let
 in-flight calls finish (grace period), remove the arena file, exit 0. A crashed
 background task exits non-zero.
 """
@@ -18,6 +19,8 @@ import grpc
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import Unavailable
+from kvpool.daemon.arena_handoff import ArenaHandoff
+from kvpool.daemon.credentials import load_credentials, load_tls
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
 from kvpool.daemon.supervisor import Supervisor
@@ -36,12 +39,24 @@ class PoolServer:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.supervisor = Supervisor()
+        self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
+        self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.node = PoolNode(config, MonotonicClock())
+        self.handoff: ArenaHandoff | None = None
+        if config.arena_by_fd:
+            self.handoff = ArenaHandoff(
+                self.node.arena, config.arena_dir, self.credentials, self.node.store.put_pending
+            )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
         )
-        service = PoolService(self.node, max_event_subscribers=max(1, config.grpc_workers // 2))
+        service = PoolService(
+            self.node,
+            max_event_subscribers=max(1, config.grpc_workers // 2),
+            credentials=self.credentials,
+            arena_socket=self.handoff.path if self.handoff is not None else "",
+        )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
         add_typed_service(self._server, service, pool_pb2, "Pool", limit)
         self._stopped = threading.Event()
@@ -50,29 +65,42 @@ class PoolServer:
     def start(self) -> None:
         self.supervisor.install_stop_signals()
         try:
-            port = self._server.add_insecure_port(self.config.listen)
+            if self._tls is not None:
+                port = self._server.add_secure_port(self.config.listen, self._tls)
+            else:
+                port = self._server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
             port = 0
             reason = str(exc)
         else:
             reason = "address in use or not local"
         if port == 0:
+            if self.handoff is not None:
+                self.handoff.stop()
             self.node.close()
             raise Unavailable(
                 f"cannot listen on {self.config.listen}: {reason}", hint="pick a free port with --listen 127.0.0.1:PORT"
             )
+        if self.handoff is not None:
+            self.handoff.start(self.supervisor)
         self._server.start()
         self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_node import ClusterAgent  # cluster mode only
 
-            self.cluster = ClusterAgent(self.node, self.config, self.supervisor)
+            self.cluster = ClusterAgent(self.node, self.config, self.supervisor, self.credentials)
             try:
                 self.cluster.start()
             except BaseException:  # e.g. the data-plane port is taken: shut down whole, then report
                 self.stop()
                 raise
-        log.info("kvpool serving on %s (node %s)", self.config.listen, self.node.node_id)
+        log.info(
+            "kvpool serving on %s (node %s; %s, %s)",
+            self.config.listen,
+            self.node.node_id,
+            "TLS" if self._tls is not None else "plaintext",
+            "credentials required" if self.credentials is not None else "no authentication",
+        )
 
     def stop(self) -> None:
         if self._stopped.is_set():
@@ -80,6 +108,8 @@ class PoolServer:
         self._stopped.set()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.handoff is not None:
+            self.handoff.stop()  # before the supervisor joins its accept thread
         self.supervisor.stop()
         self.node.events.close()
         self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)

@@ -13,6 +13,14 @@ Events are scoped to the request's namespace; their all-namespace forms and the 
 namespace list are admin views, served only where ``DaemonConfig.admin_enabled``
 (docs/security.md). Every list a request carries is bounded (``MAX_*`` below and the
 store's ``max_batch_blocks``).
+
+Authentication: with credentials configured every call first names its caller
+(``principal_of``: the bearer token in the call's metadata, else ``Unauthenticated``);
+a tenant may name only the namespace digests its credential lists (``PERMISSION_DENIED``
+otherwise, in Hello and in every call that names a namespace), and the admin views need
+an admin credential. Lease and put ids are random 63-bit capabilities, so Release,
+PutCommit and PutAbort need only an authenticated caller. Without credentials (the
+loopback default) every caller is ``ANONYMOUS``, as before.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from typing import Any
 
 import grpc
 
+from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
 from kvpool.core.keys import BlockKeys, hashes_of, key_hash
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import principal_of
 from kvpool.rpc.codec import PROTOCOL_VERSION, event_to_msg, spec_from_msg
 from kvpool.rpc.errors import abort_with, typed_handler
 
@@ -55,17 +65,38 @@ def max_request_bytes(max_batch_blocks: int) -> int:
 
 
 class PoolService(pool_pb2_grpc.PoolServicer):
-    def __init__(self, node: PoolNode, max_event_subscribers: int = 4) -> None:
+    def __init__(
+        self,
+        node: PoolNode,
+        max_event_subscribers: int = 4,
+        credentials: Credentials | None = None,
+        arena_socket: str = "",
+    ) -> None:
+        """``arena_socket``: where clients get the arena (memfd hand-off), "" = by path."""
         self.node = node
+        self.arena_socket = arena_socket
+        self.credentials = credentials
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
         self.max_event_subscribers = max_event_subscribers
         self.admin_enabled = node.config.admin_enabled
 
     # helpers
-    def _keys(self, request: Any) -> tuple[NamespaceInfo, BlockKeys]:
-        """The request's registered namespace (UnknownNamespace if not) and the block keys
-        of its hashes in that namespace."""
+    def _caller(self, context: grpc.ServicerContext) -> Principal:
+        return principal_of(context, self.credentials)
+
+    def _authorise(self, principal: Principal, namespace: bytes) -> None:
+        if not principal.may_use(namespace):
+            raise PermissionDenied(
+                f"credential {principal.name!r} may not use namespace {namespace.hex()[:64] or '(empty)'}",
+                hint="the operator adds this digest to the tenant's namespaces in the credentials file "
+                "(docs/security.md), or use the token of the tenant that owns it",
+            )
+
+    def _keys(self, request: Any, context: grpc.ServicerContext) -> tuple[NamespaceInfo, BlockKeys]:
+        """The caller's right to the request's namespace (PermissionDenied if not), the
+        registered namespace (UnknownNamespace if not) and the block keys of its hashes."""
+        self._authorise(self._caller(context), bytes(request.namespace))
         info = self.node.namespace(request.namespace)
         keys = BlockKeys(info.digest, request.hashes)  # built lazily: a lookup stops at its first miss
         if len(keys) > self.node.config.store.max_batch_blocks:
@@ -83,22 +114,32 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             )
         return self.node.store.release_many(lease_ids) if lease_ids else 0
 
-    def _require_admin(self, what: str) -> None:
+    def _is_admin(self, principal: Principal) -> bool:
+        return self.admin_enabled and principal.admin
+
+    def _require_admin(self, principal: Principal, what: str) -> None:
         if not self.admin_enabled:
             raise PermissionDenied(
                 f"{what} is an admin view and this daemon does not serve admin views on {self.node.config.listen}",
                 hint="ask for your own namespace, or run the daemon with --admin-views on (see docs/security.md)",
             )
+        if not principal.admin:
+            raise PermissionDenied(
+                f"{what} is an admin view and credential {principal.name!r} is not an admin's",
+                hint="ask for your own namespace, or use an admin token (docs/security.md)",
+            )
 
-    def _scope(self, request: Any, what: str) -> bytes | None:
+    def _scope(self, request: Any, context: grpc.ServicerContext, what: str) -> bytes | None:
         """The namespace a Snapshot / Events request is scoped to, or None for the admin view."""
+        principal = self._caller(context)
         if request.all_namespaces:
-            self._require_admin(f"{what} of every namespace")
+            self._require_admin(principal, f"{what} of every namespace")
             return None
         if not request.namespace:
             raise InvalidArgument(
                 f"{what} names no namespace", hint="send your namespace digest, or all_namespaces (admin)"
             )
+        self._authorise(principal, bytes(request.namespace))
         return self.node.namespace(request.namespace).digest
 
     @typed_handler
@@ -111,6 +152,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
                 f"protocol {request.protocol_version!r} is not {PROTOCOL_VERSION!r}",
                 hint="use a client of the same kvpool version",
             )
+        self._authorise(self._caller(context), bytes(request.namespace))
         spec = spec_from_msg(request.spec)
         info = self.node.register(request.hash_scheme, spec, request.namespace, request.spec_digest)
         cfg = self.node.config.store
@@ -119,6 +161,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             hash_scheme=HASH_SCHEME,
             protocol_version=PROTOCOL_VERSION,
             arena_path=self.node.arena.path,
+            arena_socket=self.arena_socket,
             arena_bytes=self.node.arena.capacity_bytes,
             lease_ttl_ms=cfg.lease_ttl_ms,
             max_batch_blocks=cfg.max_batch_blocks,
@@ -127,13 +170,13 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Lookup(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LookupReply:
-        info, keys = self._keys(request)
+        info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         return pool_pb2.LookupReply(hits=self.node.lookup(info, keys))
 
     @typed_handler
     def Lease(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LeaseReply:
-        info, keys = self._keys(request)
+        info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         grant = self.node.lease(info, keys)
         return pool_pb2.LeaseReply(
@@ -146,11 +189,12 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Release(self, request: pool_pb2.ReleaseRequest, context: grpc.ServicerContext) -> pool_pb2.ReleaseReply:
+        self._caller(context)
         return pool_pb2.ReleaseReply(expired=self._release(request.lease_ids))
 
     @typed_handler
     def PutStart(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.PutStartReply:
-        info, keys = self._keys(request)
+        info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         grant = self.node.store.put_start(info.digest, keys, info.spec.block_bytes)
         return pool_pb2.PutStartReply(
@@ -164,6 +208,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def PutCommit(self, request: pool_pb2.PutCommitRequest, context: grpc.ServicerContext) -> pool_pb2.PutCommitReply:
+        self._caller(context)
         result = self.node.store.put_commit(request.put_id, list(request.checksums))
         if result.checksum_failed:
             log.warning(
@@ -175,12 +220,13 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def PutAbort(self, request: pool_pb2.PutAbortRequest, context: grpc.ServicerContext) -> pool_pb2.Empty:
+        self._caller(context)
         self.node.store.put_abort(request.put_id)
         return pool_pb2.Empty()
 
     @typed_handler
     def Remove(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.RemoveReply:
-        _, keys = self._keys(request)
+        _, keys = self._keys(request, context)
         self._release(request.release_lease_ids)  # a client's pending releases ride on any call
         return pool_pb2.RemoveReply(removed=self.node.store.remove(keys))
 
@@ -190,7 +236,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
     ) -> pool_pb2.ReportCorruptReply:
         """A reader found these blocks failing their checksum: the node re-verifies them (a
         report alone never drops a block) and drops only the bad ones of this namespace."""
-        info, keys = self._keys(request)
+        info, keys = self._keys(request, context)
         if len(keys) > MAX_CORRUPT_REPORT_BLOCKS:
             raise InvalidArgument(
                 f"{len(keys)} blocks reported corrupt in one call; the limit is {MAX_CORRUPT_REPORT_BLOCKS}",
@@ -201,7 +247,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Pin(self, request: pool_pb2.PinRequest, context: grpc.ServicerContext) -> pool_pb2.PinReply:
-        _, keys = self._keys(request)
+        _, keys = self._keys(request, context)
         if request.unpin:
             return pool_pb2.PinReply(changed=self.node.store.unpin(keys))
         if not request.hard and request.ttl_ms == 0:
@@ -211,33 +257,35 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Stats(self, request: pool_pb2.StatsRequest, context: grpc.ServicerContext) -> pool_pb2.StatsReply:
+        principal = self._caller(context)
         summary: dict[str, Any] = dict(self.node.store.summary())
         summary["node_id"] = self.node.node_id
         summary["arena_path"] = self.node.arena.path
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
         summary.update(self.node.counters.summary())
-        summary.update(self._namespace_stats(request))
+        summary.update(self._namespace_stats(request, principal))
         return pool_pb2.StatsReply(json=json.dumps(summary, sort_keys=True))
 
-    def _namespace_stats(self, request: pool_pb2.StatsRequest) -> dict[str, Any]:
+    def _namespace_stats(self, request: pool_pb2.StatsRequest, principal: Principal) -> dict[str, Any]:
         """The bounded namespace part of Stats: counts for everyone; the list of namespaces
         (paged, ``MAX_STATS_NAMESPACES`` at most) only as an admin view, else only the
-        caller's own entry."""
+        caller's own entry (one its credential may use)."""
         every = sorted(self.node.namespaces(), key=lambda ns: ns.digest)
         out: dict[str, Any] = {
             "namespaces_total": len(every),
             "namespaces_max": self.node.config.max_namespaces,
             "namespaces_retired": self.node.namespaces_retired,
         }
-        if self.admin_enabled:
+        if self._is_admin(principal):
             limit = min(request.namespaces_limit or MAX_STATS_NAMESPACES, MAX_STATS_NAMESPACES)
             after = bytes(request.namespaces_after)
             shown = [ns for ns in every if ns.digest > after][:limit]
             more = len(shown) == limit and shown[-1].digest != every[-1].digest
             out["namespaces_next"] = shown[-1].digest.hex() if more else ""
         else:
-            shown = [ns for ns in every if request.namespace and ns.digest == request.namespace]
+            own = bytes(request.namespace)
+            shown = [ns for ns in every if own and ns.digest == own and principal.may_use(own)]
         out["namespaces"] = [
             {
                 "digest": ns.digest.hex(),
@@ -252,8 +300,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     def Events(self, request: pool_pb2.EventsRequest, context: grpc.ServicerContext) -> Iterator[pool_pb2.Event]:
         try:
-            scope = self._scope(request, "the event stream")
-        except KVPoolError as err:  # UnknownNamespace, PermissionDenied, InvalidArgument
+            scope = self._scope(request, context, "the event stream")
+        except KVPoolError as err:  # Unauthenticated, UnknownNamespace, PermissionDenied, InvalidArgument
             abort_with(context, err)
         if not self._subscriber_slots.acquire(blocking=False):
             abort_with(
@@ -271,7 +319,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
 
     @typed_handler
     def Snapshot(self, request: pool_pb2.SnapshotRequest, context: grpc.ServicerContext) -> pool_pb2.SnapshotReply:
-        scope = self._scope(request, "a snapshot")
+        scope = self._scope(request, context, "a snapshot")
         if scope is None:
             last_seq = self.node.events.last_seq  # read first: events after it are replayed on top
             hashes = [key_hash(k) for k in self.node.store.snapshot_keys()]

@@ -18,6 +18,7 @@ import grpc
 from kvpool.core.errors import InvalidArgument, NotLeader, Unavailable
 from kvpool.directory.etcd import EtcdClient, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
+from kvpool.rpc.auth import call_metadata
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
 
@@ -34,13 +35,17 @@ class DirectoryLink:
         etcd: EtcdClient | None = None,
         cluster: str = "default",
         timeout_s: float = 5.0,
+        token: str = "",
     ) -> None:
+        """``token``: sent with every call (a tenant's for a client, the cluster token for
+        a node) to a directory with credentials."""
         if not addresses and etcd is None:
             raise InvalidArgument("no directory address and no etcd endpoint", hint="pass --directory or --etcd")
         self.addresses = list(addresses)
         self.etcd = etcd
         self.cluster = cluster
         self.timeout_s = timeout_s
+        self._metadata = call_metadata(token)
         self._lock = threading.Lock()
         self._leader = ""
         self._channel: grpc.Channel | None = None
@@ -65,7 +70,9 @@ class DirectoryLink:
         for address in self.addresses:
             channel, stub = self._stub_for(address)
             try:
-                reply = stub.Leader(directory_pb2.LeaderRequest(), timeout=min(self.timeout_s, 2.0))
+                reply = stub.Leader(
+                    directory_pb2.LeaderRequest(), timeout=min(self.timeout_s, 2.0), metadata=self._metadata
+                )
             except grpc.RpcError as exc:
                 errors.append(f"{address}: {from_rpc_error(exc, address)}")
                 channel.close()
@@ -97,7 +104,7 @@ class DirectoryLink:
             stub, leader = self._stub, self._leader
             assert stub is not None
             try:
-                return getattr(stub, name)(request, timeout=timeout_s or self.timeout_s)
+                return getattr(stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc, leader)
                 if attempt == 0 and isinstance(err, NotLeader | Unavailable):

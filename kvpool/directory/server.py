@@ -17,7 +17,9 @@ from typing import Any
 import grpc
 
 from kvpool.core.clock import Clock, MonotonicClock
+from kvpool.core.config import is_loopback_address
 from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.daemon.credentials import load_credentials, load_token
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.directory.etcd import EtcdClient, LeaderElection, live_nodes
 from kvpool.directory.service import DirectoryService
@@ -42,6 +44,9 @@ class DirectoryConfig:
     expire_interval_ms: int = 250
     grpc_workers: int = 16
     max_message_bytes: int = 64 << 20
+    credentials_file: str = ""  # who may call (docs/security.md); "" = anyone, loopback only unless insecure
+    cluster_token_file: str = ""  # the cluster token, presented to nodes when forwarding removes / pins
+    insecure: bool = False  # allow a non-loopback listener without credentials
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -49,6 +54,11 @@ class DirectoryConfig:
             raise InvalidArgument(f"listen address {self.listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:7440")
         if self.node_ttl_ms <= 0 or self.election_ttl_s <= 0:
             raise InvalidArgument("node_ttl_ms and election_ttl_s must be positive")
+        if not self.insecure and not self.credentials_file and not is_loopback_address(self.listen):
+            raise InvalidArgument(
+                f"refusing to listen on {self.listen} (not loopback) without --credentials",
+                hint="configure credentials (docs/security.md), keep it on 127.0.0.1, or pass --insecure",
+            )
 
 
 class DirectoryServer:
@@ -63,7 +73,14 @@ class DirectoryServer:
             LeaderElection(self.etcd, config.cluster, self.address, config.election_ttl_s) if self.etcd else None
         )
         self.etcd_nodes_ok = True
-        self.service = DirectoryService(self.state, self.is_leader, self.leader, self._extra_stats)
+        self.service = DirectoryService(
+            self.state,
+            self.is_leader,
+            self.leader,
+            self._extra_stats,
+            credentials=load_credentials(config.credentials_file),
+            cluster_token=load_token(config.cluster_token_file),
+        )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
             options=server_options(config.max_message_bytes),

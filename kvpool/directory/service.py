@@ -7,6 +7,12 @@ are forwarded to the holder nodes over their Pool control service.
 Every hash a request names becomes the block key ``namespace || hash`` before it reaches
 ``DirectoryState`` (nodes register their 32-byte keys as they are), so a Lookup, Remove
 or Pin sent with tenant B's namespace can never see, drop or pin tenant A's holders.
+
+With credentials (the same file format as a node's, docs/security.md) every call needs a
+known bearer token: Register and Heartbeat only the cluster token (a node), Lookup /
+Remove / Pin only for a namespace the caller's credential may use; Place, Release,
+Stats, Leader and Nodes any known token. Removes and pins forwarded to nodes carry the
+cluster token.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from typing import Any
 
 import grpc
 
-from kvpool.core.errors import InvalidArgument, KVPoolError, NotLeader
+from kvpool.core.auth import Credentials, Principal
+from kvpool.core.errors import InvalidArgument, KVPoolError, NotLeader, PermissionDenied
 from kvpool.core.hashing import pack_hashes, unpack_hashes
 from kvpool.core.keys import BLOCK_KEY_BYTES, block_keys, check_namespace, group_by_namespace
 from kvpool.directory.state import DirectoryState, EventIn, NodeRecord
 from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import Metadata, call_metadata, principal_of
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error, typed_handler
 
@@ -63,7 +71,13 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         is_leader: Callable[[], bool],
         leader: Callable[[], str],
         extra_stats: Callable[[], dict[str, Any]] | None = None,
+        credentials: Credentials | None = None,
+        cluster_token: str = "",
     ) -> None:
+        """``credentials``: who may call (None: everyone, the loopback default);
+        ``cluster_token``: presented to nodes when forwarding removes and pins."""
+        self.credentials = credentials
+        self._node_metadata: Metadata | None = call_metadata(cluster_token)
         self.state = state
         self._is_leader = is_leader
         self._leader = leader
@@ -77,6 +91,25 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             raise NotLeader(
                 f"this directory is a standby; the leader is {leader or 'not elected yet'}",
                 hint=f"call {leader}" if leader else "retry in a moment",
+            )
+
+    def _caller(self, context: grpc.ServicerContext) -> Principal:
+        return principal_of(context, self.credentials)
+
+    def _require_node(self, context: grpc.ServicerContext, what: str) -> None:
+        principal = self._caller(context)
+        if not principal.cluster:
+            raise PermissionDenied(
+                f"{what} is for cluster nodes and credential {principal.name!r} is not the cluster token",
+                hint="nodes present the cluster token (--cluster-token-file); docs/security.md",
+            )
+
+    def _authorise(self, context: grpc.ServicerContext, namespace: bytes) -> None:
+        principal = self._caller(context)
+        if not principal.may_use(namespace):
+            raise PermissionDenied(
+                f"credential {principal.name!r} may not use namespace {namespace.hex()[:64] or '(empty)'}",
+                hint="the operator adds this digest to the tenant's namespaces in the credentials file",
             )
 
     def _node_stub(self, address: str) -> pool_pb2_grpc.PoolStub:
@@ -100,10 +133,10 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 for namespace, hashes in group_by_namespace(keys).items():
                     if call == "Remove":
                         req = pool_pb2.HashesRequest(namespace=namespace, hashes=pack_hashes(hashes))
-                        changed += stub.Remove(req, timeout=FORWARD_TIMEOUT_S).removed
+                        changed += stub.Remove(req, timeout=FORWARD_TIMEOUT_S, metadata=self._node_metadata).removed
                     else:
                         req2 = pool_pb2.PinRequest(namespace=namespace, hashes=pack_hashes(hashes), **fields)
-                        changed += stub.Pin(req2, timeout=FORWARD_TIMEOUT_S).changed
+                        changed += stub.Pin(req2, timeout=FORWARD_TIMEOUT_S, metadata=self._node_metadata).changed
             except grpc.RpcError as exc:
                 log.warning(
                     "directory: %s on node %s failed: %s", call, node_id, from_rpc_error(exc, node.control_address)
@@ -121,6 +154,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Register(self, request: directory_pb2.RegisterRequest, context: grpc.ServicerContext) -> Any:
+        self._require_node(context, "Register")
         self._lead()
         n = request.node
         if not n.node_id or not n.data_address:
@@ -146,6 +180,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Heartbeat(self, request: directory_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
+        self._require_node(context, "Heartbeat")
         self._lead()
         events = [EventIn(e.seq, e.kind, self._event_keys(e), e.tier or "host") for e in request.events]
         resync, acked = self.state.heartbeat(
@@ -160,6 +195,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
+        self._authorise(context, bytes(request.namespace))
         self._lead()
         keys = block_keys(request.namespace, bounded_hashes(request.hashes, "Lookup"))
         result = self.state.lookup(keys, request.client_node, int(request.lease_ms), for_read=request.for_read)
@@ -173,18 +209,21 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Place(self, request: directory_pb2.PlaceRequest, context: grpc.ServicerContext) -> Any:
+        self._caller(context)
         self._lead()
         nodes = self.state.place(request.blocks, request.block_bytes, request.client_node, request.replicas or 1)
         return directory_pb2.PlaceReply(nodes=[node_to_msg(n) for n in nodes])
 
     @typed_handler
     def Release(self, request: directory_pb2.LeaseRelease, context: grpc.ServicerContext) -> Any:
+        self._caller(context)
         self._lead()
         released = self.state.release(request.lease_ids)
         return directory_pb2.ReleaseReply(released=released)
 
     @typed_handler
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> Any:
+        self._authorise(context, bytes(request.namespace))
         self._lead()
         namespace = check_namespace(request.namespace)
         groups, deferred = self.state.remove(block_keys(namespace, bounded_hashes(request.hashes, "Remove")), namespace)
@@ -193,6 +232,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Pin(self, request: directory_pb2.PinRequest, context: grpc.ServicerContext) -> Any:
+        self._authorise(context, bytes(request.namespace))
         self._lead()
         groups = self.state.holders_by_node(block_keys(request.namespace, bounded_hashes(request.hashes, "Pin")))
         changed = self.forward(groups, "Pin", hard=request.hard, ttl_ms=request.ttl_ms, unpin=request.unpin)
@@ -200,6 +240,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> Any:
+        self._caller(context)
         summary: dict[str, Any] = dict(self.state.summary())
         summary["is_leader"] = self._is_leader()
         summary["leader"] = self._leader()
@@ -209,10 +250,12 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Leader(self, request: directory_pb2.LeaderRequest, context: grpc.ServicerContext) -> Any:
+        self._caller(context)
         return directory_pb2.LeaderReply(leader=self._leader(), is_leader=self._is_leader())
 
     @typed_handler
     def Nodes(self, request: directory_pb2.NodesRequest, context: grpc.ServicerContext) -> Any:
+        self._caller(context)
         self._lead()
         return directory_pb2.NodesReply(nodes=[node_to_msg(n) for n in self.state.nodes()])
 

@@ -19,6 +19,7 @@ from kvpool.core.errors import (
     InternalError,
     InvalidArgument,
     KVPoolError,
+    Unauthenticated,
     Unavailable,
     error_from_code,
 )
@@ -126,6 +127,11 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KVPoolError:
         return Unavailable(
             f"the kvpool daemon at {address} is not reachable ({details})",
             hint=f"start it with 'kvpool serve --listen {address}' or check the address",
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(
+            f"the kvpool daemon at {address} refused the call's credential ({details})",
+            hint="pass the token the operator issued (token=..., --token or KVPOOL_TOKEN)",
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"the kvpool daemon at {address} did not answer in time", hint="is it overloaded?")

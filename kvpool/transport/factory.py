@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from kvpool.core.auth import Credentials
 from kvpool.core.errors import InvalidArgument
 from kvpool.transport.base import BlockStore, DataServer, Transport
 from kvpool.transport.tcp import TcpDataServer, TcpTransport
@@ -21,27 +22,29 @@ def ucx_available() -> str:
     return ""
 
 
-def make_data_server(kind: str, store: BlockStore, listen: str) -> DataServer:
+def make_data_server(kind: str, store: BlockStore, listen: str, credentials: Credentials | None = None) -> DataServer:
+    """``credentials``: peers must pass AUTH first (docs/security.md); None admits every peer."""
     if kind == "ucx":
         why = ucx_available()
         if not why:
             from kvpool.transport.ucx import UcxDataServer
 
-            return UcxDataServer(store, listen)
+            return UcxDataServer(store, listen, credentials=credentials)
         log.warning("ucx data plane unavailable (%s): using tcp", why)
     elif kind != "tcp":
         raise InvalidArgument(f"unknown transport {kind!r}", hint="use tcp or ucx")
-    return TcpDataServer(store, listen)
+    return TcpDataServer(store, listen, credentials=credentials)
 
 
-def make_transport(kind: str, timeout_s: float = 10.0) -> Transport:
+def make_transport(kind: str, timeout_s: float = 10.0, token: str = "") -> Transport:
+    """``token``: proved (never sent) on every new connection to a node with credentials."""
     if kind == "ucx":
         why = ucx_available()
         if not why:
             from kvpool.transport.ucx import UcxTransport
 
-            return UcxTransport(timeout_s=timeout_s)
+            return UcxTransport(timeout_s=timeout_s, token=token)
         log.warning("ucx data plane unavailable (%s): using tcp", why)
     elif kind != "tcp":
         raise InvalidArgument(f"unknown transport {kind!r}", hint="use tcp or ucx")
-    return TcpTransport(timeout_s=timeout_s)
+    return TcpTransport(timeout_s=timeout_s, token=token)

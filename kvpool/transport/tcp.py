@@ -14,6 +14,7 @@ retried once on a fresh one; any other failure is a miss logged with the peer's 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,12 +22,22 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvpool.core.auth import (
+    ANONYMOUS,
+    DATA_AUTH_NONCE_BYTES,
+    DATA_AUTH_PROOF_BYTES,
+    Credentials,
+    Principal,
+    data_plane_proof,
+    token_digest,
+)
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import (
     CapacityExhausted,
     InvalidArgument,
     KVPoolError,
     NotFound,
+    Unauthenticated,
     Unavailable,
     UnknownNamespace,
 )
@@ -70,8 +81,13 @@ class TcpDataServer:
         listen: str,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s: float = 300.0,
+        credentials: Credentials | None = None,
     ) -> None:
+        """``credentials``: admit a connection's requests only after it passed AUTH with a
+        token the control plane knows, and only for namespaces that credential may use
+        (None: every peer is admitted, the loopback default)."""
         self._store = store
+        self._credentials = credentials
         self._listen = listen
         self._max_connections = max_connections
         self._idle_timeout_s = idle_timeout_s
@@ -140,6 +156,8 @@ class TcpDataServer:
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         state: dict[str, object] = {}  # per-connection state of subclasses (the UCX endpoint)
+        principal: Principal | None = ANONYMOUS if self._credentials is None else None
+        nonce = b""
         try:
             while not self._stopping.is_set():
                 try:
@@ -147,6 +165,18 @@ class TcpDataServer:
                 except (wire.PeerClosed, TimeoutError, OSError):
                     return
                 op, count, namespace = wire.unpack_header(head)
+                if op == wire.OP_AUTH:
+                    if count == 0:
+                        nonce = os.urandom(DATA_AUTH_NONCE_BYTES)
+                        conn.sendall(wire.pack_reply(wire.STATUS_OK, len(nonce)) + nonce)
+                        continue
+                    principal = self._check_proof(conn, count, nonce, peer)
+                    nonce = b""  # one proof per nonce
+                    if principal is None:
+                        return
+                    continue
+                if op != wire.OP_PING and not self._admitted(conn, principal, op, namespace, peer):
+                    return
                 if op == wire.OP_READ:
                     self._serve_read(conn, count, namespace)
                 elif op == wire.OP_WRITE:
@@ -166,6 +196,37 @@ class TcpDataServer:
                 self._conns.discard(conn)
             conn.close()
             self._close_state(state)
+
+    def _check_proof(self, conn: socket.socket, count: int, nonce: bytes, peer: str) -> Principal | None:
+        """Read an AUTH proof and answer it: the principal, or None (answered, to be closed)."""
+        if count != DATA_AUTH_PROOF_BYTES or not nonce:
+            conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, "AUTH proof without a nonce, or of a bad size"))
+            return None
+        proof = wire.recv_exact(conn, count)
+        if self._credentials is None:
+            conn.sendall(wire.pack_reply(wire.STATUS_OK, 0))
+            return ANONYMOUS
+        principal = self._credentials.identify_proof(nonce, proof)
+        if principal is None:
+            log.warning("data plane: %s failed AUTH", peer)
+            conn.sendall(wire.pack_reply(wire.STATUS_UNAUTHENTICATED, 0, "no credential made this proof"))
+            return None
+        conn.sendall(wire.pack_reply(wire.STATUS_OK, 0))
+        return principal
+
+    def _admitted(self, conn: socket.socket, principal: Principal | None, op: int, namespace: bytes, peer: str) -> bool:
+        """Whether this request may run; if not it is answered and the connection is to be
+        closed (the request's body was not read, so the stream is out of sync anyway)."""
+        if principal is None:
+            conn.sendall(
+                wire.pack_reply(wire.STATUS_UNAUTHENTICATED, 0, "this node requires AUTH with a kvpool credential")
+            )
+            return False
+        if op in (wire.OP_READ, wire.OP_WRITE, wire.OP_READ_UCX) and not principal.may_use(namespace):
+            log.warning("data plane: %s (%s) may not use namespace %s", peer, principal.name, namespace.hex())
+            conn.sendall(wire.pack_reply(wire.STATUS_DENIED, 0, f"credential {principal.name!r} may not use it"))
+            return False
+        return True
 
     def _serve_other(
         self, conn: socket.socket, op: int, count: int, namespace: bytes, state: dict[str, object]
@@ -318,8 +379,11 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "") -> None:
+        """``token``: the credential to prove on each new connection (AUTH) to a node
+        that requires one; it is never sent itself."""
         self.timeout_s = timeout_s
+        self._token_digest = token_digest(token) if token else b""
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
         self.bytes_received = 0
@@ -334,7 +398,29 @@ class TcpTransport:
         left = wire.time_left(deadline)
         sock = socket.create_connection(split_address(peer), timeout=self.timeout_s if left is None else left)
         _tune(sock)
+        if self._token_digest:
+            try:
+                self._authenticate(sock, peer, deadline)
+            except BaseException:
+                sock.close()
+                raise
         return sock, False
+
+    def _authenticate(self, sock: socket.socket, peer: str, deadline: float | None) -> None:
+        """The AUTH exchange on a fresh connection; Unauthenticated if the node refuses."""
+        wire.send_all(sock, wire.pack_header(wire.OP_AUTH, 0, bytes(16)), deadline)
+        status, count, message = wire.recv_reply(sock, deadline)
+        if status != wire.STATUS_OK or count != DATA_AUTH_NONCE_BYTES:
+            raise Unauthenticated(f"data plane at {peer} gave no AUTH nonce ({message or status})")
+        nonce = wire.recv_exact(sock, count, deadline)
+        proof = data_plane_proof(self._token_digest, nonce)
+        wire.send_all(sock, wire.pack_header(wire.OP_AUTH, len(proof), bytes(16)) + proof, deadline)
+        status, _, message = wire.recv_reply(sock, deadline)
+        if status != wire.STATUS_OK:
+            raise Unauthenticated(
+                f"data plane at {peer} refused this credential ({message})",
+                hint="use a token listed in the node's --credentials file",
+            )
 
     def _exchange(
         self, peer: str, deadline: float, send: Callable[[socket.socket], None]

@@ -33,6 +33,7 @@ import numpy as np
 import ucxx._lib.libucxx as ucx_api  # type: ignore[import-untyped]
 from ucxx._lib.arr import Array  # type: ignore[import-untyped]
 
+from kvpool.core.auth import Credentials
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument
 from kvpool.transport import wire
@@ -143,8 +144,14 @@ class _Link:
 class UcxDataServer(TcpDataServer):
     """``TcpDataServer`` that also serves ``OP_READ_UCX`` on upgraded connections."""
 
-    def __init__(self, store: BlockStore, listen: str, send_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(store, listen)
+    def __init__(
+        self,
+        store: BlockStore,
+        listen: str,
+        send_timeout_s: float = DEFAULT_TIMEOUT_S,
+        credentials: Credentials | None = None,
+    ) -> None:
+        super().__init__(store, listen, credentials=credentials)
         self.send_timeout_s = send_timeout_s
         _context()  # fail at start, not on the first peer, if UCX cannot initialise
 
@@ -199,8 +206,8 @@ class UcxTransport(TcpTransport):
     name = "ucx"
     read_op = wire.OP_READ_UCX
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(timeout_s)
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "") -> None:
+        super().__init__(timeout_s, token)  # AUTH runs on the TCP connection before the UCX upgrade
         self._links: dict[socket.socket, _Link] = {}
         _context()
 

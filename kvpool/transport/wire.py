@@ -7,6 +7,14 @@
                      + the n blocks back to back
            reply   : ReplyHeader(status, count=0, message_len) + message + WriteCounts
 
+    AUTH   challenge: Header(op=AUTH, count=0) -> ReplyHeader(OK, count=32) + 32-byte nonce
+           proof    : Header(op=AUTH, count=32) + HMAC-SHA256(sha256(token), context || nonce)
+                      -> ReplyHeader(OK) or ReplyHeader(UNAUTHENTICATED) and the connection closes
+
+A server with credentials answers READ / WRITE / READ_UCX / UCX_HELLO on a connection that has
+not passed AUTH with UNAUTHENTICATED and closes it; one whose namespace the authenticated
+credential may not use gets DENIED and is closed (``kvpool.core.auth.data_plane_proof``).
+
 A full-block read carries the checksum the writer computed (verified at commit), so the
 check on arrival is end to end. For a byte-range read the server first verifies the WHOLE
 block in its arena against that committed checksum (one xxh3 per block; a block that rotted
@@ -37,12 +45,15 @@ OP_WRITE = 2
 OP_PING = 3
 OP_UCX_HELLO = 4  # payload: worker address (count = its length); reply: the server's worker address
 OP_READ_UCX = 5  # like READ, but the bytes travel as UCX tag messages, one per item
+OP_AUTH = 6  # count 0: ask for a nonce; count 32: the proof for it
 
 STATUS_OK = 0
 STATUS_UNKNOWN_NAMESPACE = 1
 STATUS_BAD_REQUEST = 2
 STATUS_FULL = 3  # capacity exhausted
 STATUS_ERROR = 4
+STATUS_UNAUTHENTICATED = 5  # no AUTH yet, or a proof no credential made
+STATUS_DENIED = 6  # the authenticated credential may not use this namespace
 
 HEADER = struct.Struct("<4sBBHI16s")  # magic, version, op, flags, count, namespace
 REPLY = struct.Struct("<4sBBHII")  # magic, version, status, flags, count, message length

@@ -22,6 +22,7 @@ EXPECTED_STATUS = {
     ErrorCode.NOT_LEADER: 9,
     ErrorCode.UNSUPPORTED_MODEL: 12,  # UNIMPLEMENTED
     ErrorCode.PERMISSION_DENIED: 7,
+    ErrorCode.UNAUTHENTICATED: 16,
     ErrorCode.STORAGE_FAULT: 13,
     ErrorCode.INTERNAL: 13,
 }
