@@ -150,7 +150,14 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if _passthrough_reason(request):
             self._passthrough.add(request.request_id)
             return 0, False
-        return self._logic.get_num_new_matched_tokens(request.request_id, request.prompt_token_ids, num_computed_tokens)
+        try:
+            return self._logic.get_num_new_matched_tokens(
+                request.request_id, request.prompt_token_ids, num_computed_tokens
+            )
+        except KVPoolError as err:  # not an outage (those are misses): e.g. a revoked token
+            log.error("kvpool: connector disabled, vLLM serves without the pool: %s", err)
+            self._logic = None
+            return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._logic is None or num_external_tokens <= 0:
