@@ -242,7 +242,8 @@ class VllmPoolConnectorLogic:
             return
         local, extra = offered
         t = self.spec.block_tokens
-        if num_external_tokens != extra or num_external_tokens % t:
+        if num_external_tokens > extra or num_external_tokens % t:
+            # vLLM would treat pages nobody fills as computed: refuse loudly rather than serve them
             raise InvalidArgument(f"vLLM accepted {num_external_tokens} external tokens; the pool offered {extra}")
         first, count = local // t, num_external_tokens // t
         hashes = self._hashes[request_id][first : first + count]

@@ -126,9 +126,12 @@ def test_load_starts_after_vllms_own_prefix_hit() -> None:
     for name in src:
         assert torch.equal(dst[name][11], src[name][2]) and torch.equal(dst[name][12], src[name][3])
         assert torch.equal(dst[name][9], torch.zeros_like(dst[name][9]))  # vLLM's own pages untouched
+    assert consumer.get_num_new_matched_tokens("c", tokens, 0) == (16, False)
     with pytest.raises(InvalidArgument):  # vLLM can never accept more than was offered
-        consumer.get_num_new_matched_tokens("c", tokens, 0)
         consumer.update_state_after_alloc("c", [1, 2, 3, 4, 5, 6], 24)
+    assert consumer.get_num_new_matched_tokens("d", tokens, 0) == (16, False)
+    consumer.update_state_after_alloc("d", [1, 2, 3, 4, 5, 6], 8)  # fewer, block-aligned: loads those
+    assert [load.page_ids for load in consumer.build_connector_meta([]).loads] == [(1, 2)]
 
 
 def test_kernel_blocks_smaller_than_vllms_block() -> None:
