@@ -32,12 +32,10 @@ Targets (issue 9), each measured in the ``kvpool-2rr`` row against baselines of 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,37 +44,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_reuse import start_daemon  # tools/ is on sys.path when a tool runs as a script
+
+from kvpool.daemon.cluster_local import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 128
 #: The bench model: 4 layers, hidden 256, 4 heads of 64, 2 KV heads.
 BENCH_MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4}
 ROWS = ("vllm-1", "vllm-2rr", "kvpool-2rr", "example-2rr", "offload-1", "mooncake-2rr")
 ENGINE_TIMEOUT_S = 900.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_pool(capacity_bytes: int) -> tuple[subprocess.Popen[bytes], str, str]:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    arena = tempfile.mkdtemp(prefix="kvpool-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    cmd = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address]
-    cmd += ["--capacity-bytes", str(capacity_bytes), "--arena-dir", arena]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            time.sleep(0.5)
-            return proc, address, arena
-        if proc.poll() is not None:
-            raise SystemExit(f"kvpool serve exited with {proc.returncode}")
-        time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("kvpool serve did not start")
 
 
 # -- workload -------------------------------------------------------------------------------
@@ -262,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     turns = workload(1, args.systems, args.convs, args.turns)
     pr = probes(2, args.probes)
     report: dict[str, Any] = {"rows": {}, "workload": {"requests": sum(len(t) for t in turns)}}
-    pool_proc, pool_addr, arena = start_pool(1 << 30)
+    pool_proc, pool_addr, arena = start_daemon(1 << 30)
     print(
         f"workload: {report['workload']['requests']} requests, prompts {len(turns[0][0])}..{len(turns[-1][0])} tokens"
     )
