@@ -327,6 +327,12 @@ class NixlTransport(TcpTransport):
         self._plain: set[str] = set()  # peers that do not speak NIXL: read over TCP
         self._staging: dict[socket.socket, _Staging] = {}
         self._stuck: list[_Staging] = []  # staging of transfers NIXL could not cancel (yet)
+        self.counters = {
+            "nixl_reads": 0,  # batched NIXL READs that completed
+            "metadata_from_directory": 0,  # peer agents loaded from what the directory published
+            "metadata_from_peer": 0,  # ... fetched over the data connection (none published, or stale)
+            "tcp_peers": 0,  # peers that do not speak NIXL, read over TCP
+        }
 
     def learn_peer(self, peer: str, metadata: bytes) -> None:
         if metadata and len(metadata) <= wire.MAX_NIXL_METADATA:
@@ -385,15 +391,19 @@ class NixlTransport(TcpTransport):
             if agent.remote(peer) != name:
                 with self._lock:
                     offered = self._offered.pop(peer, b"")
-                if not offered or agent.load_remote(peer, offered) != name:  # none, or stale (restarted)
+                if offered and agent.load_remote(peer, offered) == name:
+                    self.counters["metadata_from_directory"] += 1
+                else:  # none published, or stale (the node restarted with a new agent)
                     _, metadata = self._hello(sock, peer, True, deadline)
                     if agent.load_remote(peer, metadata) != name:
                         raise InvalidArgument(f"peer {peer}'s NIXL metadata names another agent than {name}")
+                    self.counters["metadata_from_peer"] += 1
         except _NotNixl as exc:
             sock.close()  # the server closes after an unknown op
             log.warning("%s: reading it over TCP", exc)
             with self._lock:
                 self._plain.add(peer)
+            self.counters["tcp_peers"] += 1
             return super()._take(peer, deadline, fresh=True)
         except BaseException:
             sock.close()
@@ -441,6 +451,7 @@ class NixlTransport(TcpTransport):
         remote[:, 1] = lengths
         staging.handle = agent.read(local, remote, agent.remote(peer))
         self._wait(agent, staging, peer, deadline)
+        self.counters["nixl_reads"] += 1
         try:
             for i, (length, checksum) in enumerate(metas):
                 landed = buffer[int(starts[i]) : int(starts[i + 1])]
