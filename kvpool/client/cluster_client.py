@@ -597,6 +597,8 @@ class ClusterClient:
         except KVPoolError as err:
             log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, err)
             return PutResult(0, 0, 0, 0)
+        if holder.transport_metadata:
+            self.transport.learn_peer(holder.data_address, holder.transport_metadata)
         result = self.transport.write(holder.data_address, self._ns, hashes, rows)
         if result.reason:
             log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, result.reason)
