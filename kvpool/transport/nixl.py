@@ -29,7 +29,7 @@ op") are read over the plain TCP path, so a cluster can mix transports.
 
 Loopback: UCX opens a TCP listener on every interface it may use. When the peer (or the
 listen address) is on loopback and the operator has not set ``UCX_NET_DEVICES``, the agent is
-created with ``UCX_NET_DEVICES=lo`` so it listens on 127.0.0.1 only.
+created with ``UCX_NET_DEVICES=lo`` so it listens on 127.0.0.1 only (``ucx_overrides``).
 
 Installing: ``pip install --no-deps nixl-cu12==1.5.1``. Its metadata asks for an unpinned
 torch, which pip resolves to a CUDA build (5.7 GB); NIXL needs no torch for host memory.
@@ -43,7 +43,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ STAGING_KEEP_BYTES = 256 << 20  # a connection keeps a staging buffer up to this
 WINDOW_BYTES = 512 << 20  # one NIXL_READ request (and its staging buffer) moves at most this much
 MAX_AGENT_NAME_BYTES = 256
 STATE_DONE, STATE_BUSY, STATE_ERROR = "done", "busy", "error"
+RDMA_SYSFS = "/sys/class/infiniband"  # one entry per RDMA device (verbs: InfiniBand, RoCE, EFA)
 
 _env_lock = threading.Lock()
 
@@ -92,7 +93,9 @@ def nixl_plugins() -> list[str]:
     return sorted(str(p) for p in agent.getAvailPlugins())
 
 
-def usable_backends(candidates: Sequence[str] = ("UCX", "POSIX", "OBJ", "GDS", "GDS_MT", "LIBFABRIC")) -> dict[str, str]:
+def usable_backends(
+    candidates: Sequence[str] = ("UCX", "POSIX", "OBJ", "GDS", "GDS_MT", "LIBFABRIC"),
+) -> dict[str, str]:
     """Each candidate backend -> "" when an agent can instantiate it here, else why not."""
     why = nixl_available()
     if why:
@@ -115,11 +118,28 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _make_agent(name: str, progress_thread: bool, loopback: bool, backend: str = "UCX") -> Any:
-    """A NIXL agent (bindings level: the Python wrapper fixes the progress thread's delay at 0).
+def ucx_overrides(loopback: bool, environ: Mapping[str, str], rdma_sysfs: str = RDMA_SYSFS) -> dict[str, str]:
+    """The UCX settings an agent is created with, beyond what the operator set in ``environ``.
 
-    ``loopback``: restrict UCX to ``lo`` while the backend is created, unless the operator chose
-    devices with ``UCX_NET_DEVICES`` (UCX reads it once, when the backend's context is made)."""
+    - ``UCX_NET_DEVICES=lo`` when every peer is on loopback: UCX's TCP transport otherwise
+      listens on every interface.
+    - ``UCX_MODULES=^ib`` on a host without RDMA devices: nixl-cu12 1.5.1 bundles its own libnl,
+      and its InfiniBand module loads the system's verbs providers, which link the system libnl;
+      with both loaded the process segfaults at exit (in ``rtnl_tc_unregister``), after every
+      test passed. Without RDMA hardware that module has nothing to drive anyway."""
+    overrides: dict[str, str] = {}
+    if loopback and "UCX_NET_DEVICES" not in environ:
+        overrides["UCX_NET_DEVICES"] = "lo"
+    has_rdma = os.path.isdir(rdma_sysfs) and bool(os.listdir(rdma_sysfs))
+    if not has_rdma and "UCX_MODULES" not in environ:
+        overrides["UCX_MODULES"] = "^ib"
+    return overrides
+
+
+def _make_agent(name: str, progress_thread: bool, loopback: bool, backend: str = "UCX") -> Any:
+    """A NIXL agent (bindings level: the Python wrapper fixes the progress thread's delay at 0),
+    created with ``ucx_overrides`` in the environment: UCX reads it once, when the backend's
+    context is made, so the variables are set for that call only."""
     from nixl_cu12 import _bindings as nixl  # type: ignore[import-untyped]
 
     config = nixl.nixlAgentConfig()
@@ -129,16 +149,15 @@ def _make_agent(name: str, progress_thread: bool, loopback: bool, backend: str =
     config.syncMode = nixl.NIXL_THREAD_SYNC_RW  # reads of several peers run on several threads
     config.captureTelemetry = False
     with _env_lock:
-        restrict = loopback and "UCX_NET_DEVICES" not in os.environ
-        if restrict:
-            os.environ["UCX_NET_DEVICES"] = "lo"
+        overrides = ucx_overrides(loopback, os.environ)
+        os.environ.update(overrides)
         try:
             agent = nixl.nixlAgent(name, config)
             if backend:
                 agent.createBackend(backend, {})
         finally:
-            if restrict:
-                os.environ.pop("UCX_NET_DEVICES", None)
+            for key in overrides:
+                os.environ.pop(key, None)
     return agent
 
 

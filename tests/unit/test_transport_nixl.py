@@ -3,9 +3,11 @@ in one batched READ, misses and corruption, the lease held until NIXL_DONE, AUTH
 address or metadata, a deadline that cancels, metadata from the directory or the peer, and
 plain TCP for peers that do not speak NIXL."""
 
+# ruff: noqa: F811  (the fixtures imported from transport_helpers are parameters here)
 from __future__ import annotations
 
 import json
+import os
 import logging
 import socket
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from transport_helpers import BB, NS_DIGEST, SPEC, blocks, keys, node, server, t
 
 from kvpool.core.auth import parse_credentials, token_sha256
 from kvpool.core.keys import block_key
+from kvpool.daemon.cluster_local import eventually
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport import wire
@@ -34,7 +37,7 @@ if not nixl_available():
 
 
 @pytest.fixture
-def nserver(node: PoolNode) -> Iterator[NixlDataServer]:  # noqa: F811
+def nserver(node: PoolNode) -> Iterator[NixlDataServer]:
     srv = make_data_server("nixl", NodeBlockStore(node), "127.0.0.1:0")
     assert isinstance(srv, NixlDataServer)
     srv.start()
@@ -51,7 +54,9 @@ def reader() -> Iterator[NixlTransport]:
 
 
 def test_blocks_and_layer_ranges_arrive_verified_in_one_batched_read(
-    nserver: NixlDataServer, reader: NixlTransport, node: PoolNode  # noqa: F811
+    nserver: NixlDataServer,
+    reader: NixlTransport,
+    node: PoolNode,
 ) -> None:
     ks, data = keys(12), blocks(12, 1)
     assert reader.write(nserver.address, NS_DIGEST, ks, data).stored == 12  # writes go over TCP
@@ -64,11 +69,14 @@ def test_blocks_and_layer_ranges_arrive_verified_in_one_batched_read(
     part = np.zeros((12, length), dtype=np.uint8)
     assert reader.read(nserver.address, NS_DIGEST, [ReadItem(k, offset, length) for k in ks], list(part)).ok == 12
     np.testing.assert_array_equal(part, data[:, offset : offset + length])
-    assert node.store.summary()["leases_active"] == 0  # NIXL_DONE released every lease
+    assert eventually(lambda: node.store.summary()["leases_active"] == 0)  # NIXL_DONE released every lease
 
 
 def test_a_prefix_the_node_lacks_and_a_rotten_block_are_misses(
-    nserver: NixlDataServer, reader: NixlTransport, node: PoolNode, caplog: pytest.LogCaptureFixture  # noqa: F811
+    nserver: NixlDataServer,
+    reader: NixlTransport,
+    node: PoolNode,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     ks, data = keys(4, 50), blocks(4, 2)
     reader.write(nserver.address, NS_DIGEST, ks, data)
@@ -86,7 +94,7 @@ def test_a_prefix_the_node_lacks_and_a_rotten_block_are_misses(
     assert not out[2:].any()  # the rotten block never reached the caller's rows
     assert nserver.address in caplog.text
     assert reader.read(nserver.address, NS_DIGEST, [ReadItem(ks[0])], [out[0]]).ok == 1  # still in sync
-    assert node.store.summary()["leases_active"] == 0
+    assert eventually(lambda: node.store.summary()["leases_active"] == 0)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -100,7 +108,7 @@ def test_a_prefix_the_node_lacks_and_a_rotten_block_are_misses(
 def test_any_batch_of_layer_ranges_reads_exactly_those_bytes(
     nserver: NixlDataServer,
     reader: NixlTransport,
-    picks: list[tuple[int, int, int]],  # noqa: F811
+    picks: list[tuple[int, int, int]],
 ) -> None:
     """Invariant: whatever mix of blocks and layer ranges one batched READ names (repeats too),
     each destination holds exactly that slice of that block."""
@@ -131,7 +139,7 @@ def test_a_read_larger_than_a_window_is_split_into_several_requests(
 
 
 def test_metadata_published_by_the_directory_is_used_and_a_stale_one_replaced(
-    nserver: NixlDataServer, reader: NixlTransport, tmp_path: Path  # noqa: F811
+    nserver: NixlDataServer, reader: NixlTransport, tmp_path: Path
 ) -> None:
     ks, data = keys(2, 300), blocks(2, 5)
     reader.learn_peer(nserver.address, nserver.transport_metadata)  # what NodeInfo carries
@@ -160,7 +168,7 @@ def test_metadata_published_by_the_directory_is_used_and_a_stale_one_replaced(
         other_node.close()
 
 
-def test_a_peer_without_nixl_is_read_over_tcp(server: TcpDataServer, reader: NixlTransport) -> None:  # noqa: F811
+def test_a_peer_without_nixl_is_read_over_tcp(server: TcpDataServer, reader: NixlTransport) -> None:
     ks, data = keys(3, 400), blocks(3, 6)
     reader.write(server.address, NS_DIGEST, ks, data)
     for _ in range(2):
@@ -171,7 +179,9 @@ def test_a_peer_without_nixl_is_read_over_tcp(server: TcpDataServer, reader: Nix
 
 
 def test_the_server_holds_its_lease_until_nixl_done_or_the_connection_drops(
-    nserver: NixlDataServer, reader: NixlTransport, node: PoolNode  # noqa: F811
+    nserver: NixlDataServer,
+    reader: NixlTransport,
+    node: PoolNode,
 ) -> None:
     ks = keys(2, 500)
     reader.write(nserver.address, NS_DIGEST, ks, blocks(2, 7))
@@ -183,13 +193,11 @@ def test_the_server_holds_its_lease_until_nixl_done_or_the_connection_drops(
         assert (status, served) == (wire.STATUS_OK, 2)
         wire.recv_exact(sock, served * (wire.READ_META.size + wire.NIXL_ADDRESS.size))
         assert node.store.summary()["leases_active"] == 1  # a puller may still be reading the slots
-    from kvpool.daemon.cluster_local import eventually
-
     assert eventually(lambda: node.store.summary()["leases_active"] == 0)  # the drop released it
 
 
 def test_without_auth_no_address_no_metadata_and_a_foreign_namespace_is_denied(
-    node: PoolNode,  # noqa: F811
+    node: PoolNode,
 ) -> None:
     token, other_token = "tenant-token", "other-token"
     creds = parse_credentials(
@@ -258,3 +266,65 @@ def test_nixl_missing_is_a_clear_error_naming_the_install_command(monkeypatch: p
     with pytest.raises(Unavailable, match="nixl") as err:
         make_transport("nixl")
     assert "pip install --no-deps nixl-cu12" in str(err.value)
+
+
+def test_ucx_overrides_keep_loopback_on_lo_and_respect_the_operator(tmp_path: Path) -> None:
+    no_rdma, rdma = str(tmp_path / "none"), tmp_path / "ib"
+    rdma.mkdir()
+    (rdma / "mlx5_0").mkdir()
+    assert nixl.ucx_overrides(True, {}, no_rdma) == {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
+    assert nixl.ucx_overrides(False, {}, str(rdma)) == {}  # a fabric: UCX picks devices and loads ib
+    assert nixl.ucx_overrides(True, {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MODULES": "all"}, no_rdma) == {}
+
+
+CHILD = """
+import os, sys, numpy as np, pathlib, tempfile
+sys.path.insert(0, sys.argv[1])
+from transport_helpers import make_node, keys, blocks, NS_DIGEST
+from kvpool.daemon.cluster_node import NodeBlockStore
+from kvpool.transport.base import ReadItem
+from kvpool.transport.nixl import NixlDataServer, NixlTransport
+node = make_node(pathlib.Path(tempfile.mkdtemp(dir=sys.argv[2])))
+server = NixlDataServer(NodeBlockStore(node), "127.0.0.1:0")
+server.start()
+reader = NixlTransport(timeout_s=3.0)
+ks, data = keys(4), blocks(4, 1)
+reader.write(server.address, NS_DIGEST, ks, data)
+out = np.zeros_like(data)
+assert reader.read(server.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out)).ok == 4
+assert (out == data).all() and reader.counters["nixl_reads"] == 1
+mine = set()
+for fd in os.listdir(f"/proc/{os.getpid()}/fd"):
+    try:
+        target = os.readlink(f"/proc/{os.getpid()}/fd/{fd}")
+    except OSError:  # closed meanwhile (the listing's own fd)
+        continue
+    if target.startswith("socket:["):
+        mine.add(target[8:-1])
+for table in ("tcp", "tcp6"):
+    for row in open(f"/proc/self/net/{table}").read().splitlines()[1:]:
+        fields = row.split()
+        if fields[9] in mine and fields[3] == "0A":  # a listening socket of this process
+            print("LISTEN", table, fields[1])
+reader.close(); server.stop(); node.close()
+print("OK")
+"""
+
+
+def test_a_process_with_nixl_listens_on_loopback_only_and_exits_cleanly(tmp_path: Path) -> None:
+    """What NIXL's UCX binds (every listener on 127.0.0.1) and how the process ends (exit 0:
+    the bundled-libnl crash at exit is avoided, see ``ucx_overrides``)."""
+    import subprocess
+    import sys
+
+    helpers = str(Path(__file__).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, helpers, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    listeners = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("LISTEN")]
+    assert listeners  # the data server and UCX's own
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1 in /proc/net/tcp and tcp6
+    assert all(address.split(":")[0] in loopback for address in listeners), listeners
+    assert proc.stdout.strip().endswith("OK")
