@@ -7,8 +7,8 @@ plain TCP for peers that do not speak NIXL."""
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
