@@ -50,11 +50,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.auth import Credentials
-from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument, Unauthenticated, Unavailable
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, split_address
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, copy_verified, split_address
 
 log = logging.getLogger("kvpool.transport")
 
@@ -472,14 +471,9 @@ class NixlTransport(TcpTransport):
         self._wait(agent, staging, peer, deadline)
         self.counters["nixl_reads"] += 1
         try:
-            for i, (length, checksum) in enumerate(metas):
-                landed = buffer[int(starts[i]) : int(starts[i + 1])]
-                if checksum64(landed) != checksum:
-                    return i
-                memoryview(dst[i]).cast("B")[:] = memoryview(landed)  # type: ignore[arg-type]
-                progress[0] = i + 1
-                self.bytes_received += length
-            return -1
+            bad = copy_verified(buffer, [int(x) for x in starts], metas, dst, progress)
+            self.bytes_received += int(starts[progress[0]])
+            return bad
         finally:
             # the server holds its lease until this: sent after the copies, so a failure here
             # (the server died just now) still leaves every verified block counted
