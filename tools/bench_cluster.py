@@ -9,11 +9,14 @@ What is measured (median over --iters batches, after --warmup batches):
   ClusterClient attached to node B on another "host" (--host-name), so every block
   crosses the data plane from A's arena into our buffer, checksummed on arrival.
   "cluster get" = directory lookup + transfer + verify; "transport" = the data plane
-  alone. Both for the tcp and the ucx data plane.
+  alone. For the tcp, ucx and nixl data planes (node A serves tcp and ucx; node N, started
+  with --transport nixl, holds its own copy of the blocks for the nixl reader).
 - Mooncake Store: a writer process puts the blocks into its own segment; this process
   reads them with `batch_get_into` and with a loop of `get_into` (protocol tcp) into a
   registered buffer: the two-process get.
 - Redis: `redis-server` on 127.0.0.1; MGET (batch) and GET (loop), copied into the buffer.
+- Cases: --blocks blocks of each --block-mib size, and a whole prompt of --prompt-blocks
+  blocks of --prompt-block-kib (one batched request / NIXL READ per system).
 - Directory lookup: 512 blocks spread over 3 nodes, one Lookup call for the whole prompt.
 
 Mooncake's master and transfer engine listen on every interface, so by default the
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -44,15 +48,22 @@ from kvpool.client.cluster_client import ClusterClient  # noqa: E402
 from kvpool.core.spec import KVSpec  # noqa: E402
 from kvpool.daemon.cluster_local import LocalCluster, free_port, wait_until  # noqa: E402
 from kvpool.transport.base import ReadItem  # noqa: E402
-from kvpool.transport.factory import make_transport, ucx_available  # noqa: E402
+from kvpool.transport.factory import make_transport, nixl_available, ucx_available  # noqa: E402
 
 MiB = 1 << 20
 
 
-def spec_for(block_mib: int) -> KVSpec:
-    # 32 layers x 8 kv heads x 128 dims x bf16 = 128 KiB per token
+TOKEN_KIB = 128  # 32 layers x 8 kv heads x 128 dims x k|v x bf16 = 128 KiB per token
+
+
+def spec_for(block_kib: int) -> KVSpec:
     return KVSpec(
-        model="bench", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_tokens=8 * block_mib
+        model="bench",
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_tokens=block_kib // TOKEN_KIB,
     )
 
 
@@ -81,13 +92,14 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
 # -- kvpool ------------------------------------------------------------------------------
 @contextlib.contextmanager
 def kvpool_batches(
-    directory: str, a_addr: str, b_addr: str, block_mib: int, blocks: int, transports: list[str]
+    directory: str, a_addr: str, b_addr: str, block_kib: int, blocks: int, transports: list[str]
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
-    """Blocks written to node A; readers attached to node B (another host name)."""
-    spec = spec_for(block_mib)
-    data = np.random.default_rng(block_mib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
-    with ClusterClient.connect(spec, directory=[directory], local=a_addr) as writer:
-        hashes = writer.hashes(np.arange(blocks * spec.block_tokens) + block_mib * 10_000_000)
+    """Blocks written to the node at ``a_addr``; readers attached to node B (another host name)."""
+    spec = spec_for(block_kib)
+    data = np.random.default_rng(block_kib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
+    salt = a_addr.encode()  # each holder its own blocks: a reader cannot be served by the other holder
+    with ClusterClient.connect(spec, salt=salt, directory=[directory], local=a_addr) as writer:
+        hashes = writer.hashes(np.arange(blocks * spec.block_tokens) + block_kib * 100_000)
         writer.put(hashes, data)
         wait_until(lambda: writer.lookup(hashes) == blocks, 10, "blocks visible in the directory")
         holder = writer.locate(hashes[:1])[0][0][0]
@@ -100,7 +112,7 @@ def kvpool_batches(
         readers: list[ClusterClient] = []
         for kind in transports:
             reader = stack.enter_context(
-                ClusterClient.connect(spec, directory=[directory], local=b_addr, transport=kind)
+                ClusterClient.connect(spec, salt=salt, directory=[directory], local=b_addr, transport=kind)
             )
             readers.append(reader)
             transport = make_transport(kind)
@@ -158,18 +170,18 @@ def mooncake_writer(block_bytes: int, blocks: int, prefix: str, ready_path: str)
 
 @contextlib.contextmanager
 def mooncake_batches(
-    block_mib: int, blocks: int, workdir: str
+    block_kib: int, blocks: int, workdir: str
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
     """A writer process puts the blocks into its own segment; this process reads them."""
-    block_bytes = block_mib * MiB
-    prefix = f"b{block_mib}-"
-    ready = os.path.join(workdir, f"{MOONCAKE_READY}-{block_mib}")
+    block_bytes = block_kib << 10
+    prefix = f"b{block_kib}-"
+    ready = os.path.join(workdir, f"{MOONCAKE_READY}-{block_kib}")
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    master = start_mooncake_master(workdir, block_mib)  # fresh per run: no segment of an earlier writer
-    log_path = os.path.join(workdir, f"mooncake-writer-{block_mib}.log")
+    master = start_mooncake_master(workdir, block_kib)  # fresh per run: no segment of an earlier writer
+    log_path = os.path.join(workdir, f"mooncake-writer-{block_kib}.log")
     with open(log_path, "wb") as log:
         writer = subprocess.Popen(
-            [sys.executable, __file__, "--mooncake-writer", str(block_mib), str(blocks), prefix, ready],
+            [sys.executable, __file__, "--mooncake-writer", str(block_kib), str(blocks), prefix, ready],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -232,7 +244,7 @@ def start_mooncake_master(workdir: str, tag: int) -> subprocess.Popen[bytes]:
 
 # -- Redis -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def redis_batches(block_mib: int, blocks: int, workdir: str) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
+def redis_batches(block_kib: int, blocks: int, workdir: str) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
     import redis
 
     port = free_port()
@@ -258,9 +270,9 @@ def redis_batches(block_mib: int, blocks: int, workdir: str) -> Iterator[tuple[d
     try:
         client = redis.Redis(host="127.0.0.1", port=port)
         wait_until(lambda: bool(client.ping()), 20, "redis-server", server)
-        block_bytes = block_mib * MiB
+        block_bytes = block_kib << 10
         data = np.random.default_rng(2).integers(0, 255, size=(blocks, block_bytes), dtype=np.uint8)
-        keys = [f"b{block_mib}-{i}" for i in range(blocks)]
+        keys = [f"b{block_kib}-{i}" for i in range(blocks)]
         for key, row in zip(keys, data):
             client.set(key, row.tobytes())
         out = np.empty_like(data)
@@ -310,24 +322,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="kvpool-bench-cluster-")
     report: dict[str, Any] = {"blocks_per_batch": args.blocks, "iters": args.iters, "results": {}}
     transports = ["tcp"] + (["ucx"] if not ucx_available() and not args.no_ucx else [])
+    with_nixl = not nixl_available() and not args.no_nixl
+    cases = [(mib << 10, args.blocks) for mib in args.block_mib]
+    if args.prompt_blocks:
+        cases.append((args.prompt_block_kib, args.prompt_blocks))
     try:
         with LocalCluster(workdir) as cluster:
             directory = cluster.start_directory(etcd=False).address
-            capacity = f"{max(args.blocks * max(args.block_mib) * 2 + 64, 256)}MiB"
+            largest = max(kib * n for kib, n in cases) >> 10
+            capacity = f"{max(largest * 2 + 64, 256)}MiB"
             a = cluster.start_node(
                 "node-a", [directory], etcd=False, capacity=capacity, transport="ucx" if "ucx" in transports else "tcp"
             )
             b = cluster.start_node("node-b", [directory], etcd=False, capacity="256MiB")
             c = cluster.start_node("node-c", [directory], etcd=False, capacity="256MiB")
-            for block_mib in args.block_mib:
+            n = (
+                cluster.start_node("node-n", [directory], etcd=False, capacity=capacity, transport="nixl")
+                if with_nixl
+                else None
+            )
+            for block_kib, blocks in cases:
                 with contextlib.ExitStack() as stack:
                     batches: dict[str, Batch] = {}
                     checks: list[Callable[[], None]] = []
-                    setups = [kvpool_batches(directory, a.address, b.address, block_mib, args.blocks, transports)]
+                    setups = [kvpool_batches(directory, a.address, b.address, block_kib, blocks, transports)]
+                    if n is not None:
+                        setups.append(kvpool_batches(directory, n.address, b.address, block_kib, blocks, ["nixl"]))
                     if not args.skip_mooncake:
-                        setups.append(mooncake_batches(block_mib, args.blocks, workdir))
-                    if not args.skip_redis and shutil.which("redis-server"):
-                        setups.append(redis_batches(block_mib, args.blocks, workdir))
+                        setups.append(mooncake_batches(block_kib, blocks, workdir))
+                    if not args.skip_redis and shutil.which("redis-server") and importlib.util.find_spec("redis"):
+                        setups.append(redis_batches(block_kib, blocks, workdir))
                     for setup in setups:
                         fns, check = stack.enter_context(setup)
                         batches.update(fns)
@@ -335,10 +359,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     times = interleaved(batches, args.iters, args.warmup)
                     for check in checks:
                         check()
-                nbytes = args.blocks * block_mib * MiB
+                nbytes = blocks * (block_kib << 10)
                 row = {name: gbps(nbytes, t) for name, t in times.items()}
-                report["results"][f"{block_mib} MiB blocks"] = row
-                print_row(block_mib, row)
+                label = f"{blocks} x {block_kib} KiB blocks"
+                report["results"][label] = row
+                print_row(label, row)
             report["lookup"] = bench_lookup(cluster, directory, [a.address, b.address, c.address], args.lookups)
             print(json.dumps(report["lookup"]))
     finally:
@@ -346,8 +371,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def print_row(block_mib: int, row: dict[str, float]) -> None:
-    print(f"\n{block_mib} MiB blocks, GB/s (median)")
+def print_row(label: str, row: dict[str, float]) -> None:
+    print(f"\n{label}, GB/s (median)")
     for name, value in row.items():
         print(f"  {name:32s} {value:7.2f}")
     for mine in [k for k in row if k.startswith("kvpool") and k.endswith("cluster get")]:
@@ -366,13 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-mooncake", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
     parser.add_argument("--no-ucx", action="store_true")
+    parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--prompt-blocks", type=int, default=512, help="a whole prompt in one batch (0 = skip)")
+    parser.add_argument("--prompt-block-kib", type=int, default=256, help="its block size (2 tokens x 128 KiB)")
     parser.add_argument("--no-netns", action="store_true", help="do not re-execute inside `unshare -n`")
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--mooncake-writer", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mooncake_writer:
-        block_mib, blocks, prefix, ready = args.mooncake_writer
-        mooncake_writer(int(block_mib) * MiB, int(blocks), prefix, ready)
+        block_kib, blocks, prefix, ready = args.mooncake_writer
+        mooncake_writer(int(block_kib) << 10, int(blocks), prefix, ready)
         return 0
     if not args.no_netns and os.environ.get("KVPOOL_BENCH_NETNS") != "1":
         inner = " ".join([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])

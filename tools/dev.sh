@@ -8,11 +8,12 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
+NIXL_REQUIREMENT="nixl-cu12==1.5.1"  # the same pin as kvpool/transport/nixl.py NIXL_REQUIREMENT
 
 setup() {
     local stamp="$VENV/.kvpool-installed"
     local want
-    want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+    want=$( (cat pyproject.toml; echo "$NIXL_REQUIREMENT") | sha256sum | cut -d' ' -f1)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
         return 0
     fi
@@ -25,6 +26,10 @@ setup() {
     # the CPU torch ('operator torchvision::nms does not exist' as soon as transformers imports
     # them); kvpool and vLLM's text models need none of them.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # NIXL data plane (--transport nixl). --no-deps: nixl-cu12 declares an unpinned torch, which pip
+    # resolves to a CUDA build (5.7 GB) unless a CPU wheel is at hand; NIXL needs no torch on host
+    # memory, and a pip extra cannot say --no-deps, so it is not a kvpool[...] extra (docs/cluster.md).
+    "$VENV/bin/python" -m pip install -q --no-deps "$NIXL_REQUIREMENT"
     echo "$want" > "$stamp"
 }
 

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -79,10 +79,11 @@ class Holder:
     control_address: str
     data_address: str
     host: str
+    transport_metadata: bytes = field(default=b"", compare=False, repr=False)  # NodeInfo's, for the transport
 
     @classmethod
     def of(cls, info: directory_pb2.NodeInfo) -> Holder:
-        return cls(info.node_id, info.control_address, info.data_address, info.host)
+        return cls(info.node_id, info.control_address, info.data_address, info.host, bytes(info.transport_metadata))
 
 
 class ClusterClient:
@@ -405,6 +406,8 @@ class ClusterClient:
             items = [ReadItem(h) for h in hashes]
         else:
             items = [ReadItem(h, byte_range[0], byte_range[1]) for h in hashes]
+        if holder.transport_metadata:
+            self.transport.learn_peer(holder.data_address, holder.transport_metadata)
         result = self.transport.read(holder.data_address, self._ns, items, [rows[start + i] for i in range(n)])
         self.counters["remote_blocks"] += result.ok
         if result.corrupt_index >= 0:
@@ -594,6 +597,8 @@ class ClusterClient:
         except KVPoolError as err:
             log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, err)
             return PutResult(0, 0, 0, 0)
+        if holder.transport_metadata:
+            self.transport.learn_peer(holder.data_address, holder.transport_metadata)
         result = self.transport.write(holder.data_address, self._ns, hashes, rows)
         if result.reason:
             log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, result.reason)

@@ -110,7 +110,9 @@ class ClusterConfig:
     etcd: str = ""  # etcd client endpoints, e.g. "127.0.0.1:2379"
     cluster: str = "default"  # etcd key prefix
     data_listen: str = ""  # data-plane address; "" = 127.0.0.1 on a free port when clustered
-    transport: str = "tcp"  # data plane: "tcp" (sockets) or "ucx" (ucxx; falls back to tcp if missing)
+    # data plane: "tcp" (sockets), "ucx" (ucxx; falls back to tcp if missing) or "nixl" (NIXL
+    # one-sided reads; refuses to start without nixl-cu12): docs/cluster.md "Choosing a transport"
+    transport: str = "tcp"
     host: str = ""  # host name peers compare to decide same-host (shared memory); "" = gethostname()
     heartbeat_interval_ms: int = 500
     liveness_ttl_s: int = 3  # etcd lease TTL of this node's liveness key
@@ -120,8 +122,8 @@ class ClusterConfig:
     token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
 
     def __post_init__(self) -> None:
-        if self.transport not in ("tcp", "ucx"):
-            raise InvalidArgument(f"transport {self.transport!r} is not 'tcp' or 'ucx'")
+        if self.transport not in ("tcp", "ucx", "nixl"):
+            raise InvalidArgument(f"transport {self.transport!r} is not 'tcp', 'ucx' or 'nixl'")
         if self.heartbeat_interval_ms <= 0 or self.liveness_ttl_s <= 0:
             raise InvalidArgument("heartbeat_interval_ms and liveness_ttl_s must be positive")
 

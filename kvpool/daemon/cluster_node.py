@@ -21,7 +21,7 @@ import numpy as np
 
 from kvpool.core.auth import Credentials
 from kvpool.core.config import DaemonConfig
-from kvpool.core.errors import KVPoolError, LeaseExpired
+from kvpool.core.errors import InvalidArgument, KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import block_keys
@@ -134,7 +134,24 @@ class ClusterAgent:
     def data_address(self) -> str:
         return self.data_server.address if self.data_server is not None else ""
 
+    def _check_one_sided_reads(self) -> None:
+        """``--transport nixl`` lets a peer *pull* bytes from the registered arena: the data
+        plane's AUTH and namespace check gate the lease and the addresses (OP_NIXL_READ), not
+        the READ itself, which the node's CPU never sees. A peer holding the node's NIXL
+        metadata can read any byte of the arena. So with credentials for more than one tenant
+        the node refuses to start (docs/security.md, docs/cluster.md): one trust domain only."""
+        if self.cluster.transport != "nixl" or self.credentials is None:
+            return
+        tenants = sorted({e.principal.name for e in self.credentials.entries if not e.principal.admin})
+        if len(tenants) > 1:
+            raise InvalidArgument(
+                f"--transport nixl with credentials for {len(tenants)} tenants ({', '.join(tenants[:4])}): NIXL "
+                "reads are one-sided, so a tenant could read another's blocks out of the shared arena",
+                hint="run one node per tenant with nixl, or use --transport tcp / ucx (two-sided, checked per read)",
+            )
+
     def start(self) -> None:
+        self._check_one_sided_reads()
         if self.cluster.enabled:
             listen = self.cluster.data_listen or f"{self.config.listen.rpartition(':')[0]}:0"
             self.data_server = make_data_server(
@@ -180,6 +197,8 @@ class ClusterAgent:
             capacity_bytes=summary["capacity_bytes"],
             used_bytes=summary["used_bytes"],
             alive=True,
+            # a NIXL node's agent metadata (its arena's registration): readers load it from here
+            transport_metadata=self.data_server.transport_metadata if self.data_server is not None else b"",
         )
 
     def register(self) -> None:

@@ -293,7 +293,12 @@ OPTIONS: list[Option] = [
         "file holding the cluster token this node presents to a directory with credentials "
         "(its sha256 is [cluster] token_sha256 there). Default: none.",
     ),
-    Option("--transport", "cluster.transport", str, "data plane between nodes: tcp or ucx. Default tcp."),
+    Option(
+        "--transport",
+        "cluster.transport",
+        str,
+        "data plane between nodes: tcp, ucx or nixl (docs/cluster.md). Default tcp.",
+    ),
     Option(
         "--host-name",
         "cluster.host",

@@ -37,6 +37,7 @@ from kvpool.rpc.errors import from_rpc_error, typed_handler
 
 log = logging.getLogger("kvpool.directory.service")
 
+MAX_TRANSPORT_METADATA_BYTES = 64 << 10  # a NIXL agent with UCX on loopback publishes ~0.5 KiB
 FORWARD_TIMEOUT_S = 5.0
 #: most hashes one Lookup / Remove / Pin or one heartbeat event may name (a 4M-token prompt
 #: at 16 tokens per block); the whole message is bounded by --max-message-bytes too
@@ -61,6 +62,7 @@ def node_to_msg(node: NodeRecord) -> directory_pb2.NodeInfo:
         capacity_bytes=node.capacity_bytes,
         used_bytes=node.used_bytes,
         alive=node.alive,
+        transport_metadata=node.transport_metadata,
     )
 
 
@@ -152,6 +154,20 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def _namespaces(msgs: Any) -> list[tuple[bytes, bytes, str]]:
         return [(m.namespace, m.spec_digest, m.spec_json) for m in msgs]
 
+    @staticmethod
+    def _transport_metadata(n: directory_pb2.NodeInfo) -> bytes:
+        """A node's published transport metadata, or b"" when it is beyond the bound (logged:
+        readers then fetch it from the node's data plane, so registering still succeeds)."""
+        if len(n.transport_metadata) > MAX_TRANSPORT_METADATA_BYTES:
+            log.warning(
+                "directory: node %s publishes %d bytes of transport metadata (limit %d): not stored",
+                n.node_id,
+                len(n.transport_metadata),
+                MAX_TRANSPORT_METADATA_BYTES,
+            )
+            return b""
+        return bytes(n.transport_metadata)
+
     @typed_handler
     def Register(self, request: directory_pb2.RegisterRequest, context: grpc.ServicerContext) -> Any:
         self._require_node(context, "Register")
@@ -169,6 +185,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             used_bytes=n.used_bytes,
             incarnation=request.incarnation,
             last_seq=request.last_seq,
+            transport_metadata=self._transport_metadata(n),
         )
         if len(request.keys) % BLOCK_KEY_BYTES:
             raise InvalidArgument(f"Register.keys is {len(request.keys)} bytes, not a multiple of {BLOCK_KEY_BYTES}")

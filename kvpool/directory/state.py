@@ -62,6 +62,9 @@ class NodeRecord:
     resync_needed: bool = False
     slot: int = 0
     keys: dict[bytes, int] = field(default_factory=dict)  # block key -> tier code
+    # what readers need beyond data_address (a NIXL agent's metadata); not persisted: a restarted
+    # directory serves "" until the node re-registers, and readers then ask the node itself
+    transport_metadata: bytes = b""
 
     def public(self) -> dict[str, object]:
         return {

@@ -17,7 +17,7 @@ class NamespaceSpec(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., spec_digest: _Optional[bytes] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "control_address", "data_address", "transport", "host", "capacity_bytes", "used_bytes", "alive")
+    __slots__ = ("node_id", "control_address", "data_address", "transport", "host", "capacity_bytes", "used_bytes", "alive", "transport_metadata")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class NodeInfo(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     control_address: str
     data_address: str
@@ -34,7 +35,8 @@ class NodeInfo(_message.Message):
     capacity_bytes: int
     used_bytes: int
     alive: bool
-    def __init__(self, node_id: _Optional[str] = ..., control_address: _Optional[str] = ..., data_address: _Optional[str] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+    transport_metadata: bytes
+    def __init__(self, node_id: _Optional[str] = ..., control_address: _Optional[str] = ..., data_address: _Optional[str] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., transport_metadata: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node", "hash_scheme", "namespaces", "incarnation", "last_seq", "tiers", "keys")

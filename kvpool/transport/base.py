@@ -109,11 +109,17 @@ class Transport(Protocol):
         """Store ``rows`` ([n, block_bytes] uint8) on ``peer`` under ``keys``."""
         ...
 
+    def learn_peer(self, peer: str, metadata: bytes) -> None:
+        """Take what the directory published for ``peer`` beyond its address (a NIXL agent's
+        metadata); a no-op for transports that need nothing more."""
+        ...
+
     def close(self) -> None: ...
 
 
 class DataServer(Protocol):
     address: str
+    transport_metadata: bytes  # published in the node's registration record ("" for tcp / ucx)
 
     def start(self) -> None: ...
 

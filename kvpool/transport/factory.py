@@ -1,5 +1,7 @@
 """Pick a data-plane implementation by name: "tcp" always works; "ucx" uses ucxx and
-falls back to tcp (with a warning naming why) when ucxx cannot be imported."""
+falls back to tcp (with a warning naming why) when ucxx cannot be imported; "nixl" uses
+NIXL and refuses with the install command when it is missing (no silent fallback: an
+operator who asked for NIXL wants its fabric, and would otherwise measure TCP)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from kvpool.transport.tcp import TcpDataServer, TcpTransport
 
 log = logging.getLogger("kvpool.transport")
 
+TRANSPORTS = ("tcp", "ucx", "nixl")
+
 
 def ucx_available() -> str:
     """'' when ucxx imports, else why not."""
@@ -22,8 +26,26 @@ def ucx_available() -> str:
     return ""
 
 
+def nixl_available() -> str:
+    """'' when NIXL's bindings import, else why not (``kvpool.transport.nixl`` imports them lazily)."""
+    from kvpool.transport.nixl import nixl_available as why_not
+
+    return why_not()
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in TRANSPORTS:
+        raise InvalidArgument(f"unknown transport {kind!r}", hint=f"use one of {', '.join(TRANSPORTS)}")
+
+
 def make_data_server(kind: str, store: BlockStore, listen: str, credentials: Credentials | None = None) -> DataServer:
     """``credentials``: peers must pass AUTH first (docs/security.md); None admits every peer."""
+    _check_kind(kind)
+    if kind == "nixl":
+        from kvpool.transport.nixl import NixlDataServer, require_nixl
+
+        require_nixl()
+        return NixlDataServer(store, listen, credentials=credentials)
     if kind == "ucx":
         why = ucx_available()
         if not why:
@@ -31,13 +53,17 @@ def make_data_server(kind: str, store: BlockStore, listen: str, credentials: Cre
 
             return UcxDataServer(store, listen, credentials=credentials)
         log.warning("ucx data plane unavailable (%s): using tcp", why)
-    elif kind != "tcp":
-        raise InvalidArgument(f"unknown transport {kind!r}", hint="use tcp or ucx")
     return TcpDataServer(store, listen, credentials=credentials)
 
 
 def make_transport(kind: str, timeout_s: float = 10.0, token: str = "") -> Transport:
     """``token``: proved (never sent) on every new connection to a node with credentials."""
+    _check_kind(kind)
+    if kind == "nixl":
+        from kvpool.transport.nixl import NixlTransport, require_nixl
+
+        require_nixl()
+        return NixlTransport(timeout_s=timeout_s, token=token)
     if kind == "ucx":
         why = ucx_available()
         if not why:
@@ -45,6 +71,4 @@ def make_transport(kind: str, timeout_s: float = 10.0, token: str = "") -> Trans
 
             return UcxTransport(timeout_s=timeout_s, token=token)
         log.warning("ucx data plane unavailable (%s): using tcp", why)
-    elif kind != "tcp":
-        raise InvalidArgument(f"unknown transport {kind!r}", hint="use tcp or ucx")
     return TcpTransport(timeout_s=timeout_s, token=token)

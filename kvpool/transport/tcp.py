@@ -66,6 +66,26 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
+def copy_verified(
+    staging: np.ndarray,
+    starts: Sequence[int],
+    metas: Sequence[tuple[int, int]],
+    dst: Sequence[np.ndarray],
+    progress: list[int],
+) -> int:
+    """Check each item landed in ``staging`` (item i at ``[starts[i], starts[i + 1])``) against its
+    checksum and only then copy it into ``dst[i]``; ``progress[0]`` counts the leading items copied.
+    Returns the first index that failed its checksum, or -1. The UCX and NIXL readers receive into
+    a buffer of their own and use this, so a bad or late byte never reaches the caller's rows."""
+    for i, (_, checksum) in enumerate(metas):
+        landed = staging[int(starts[i]) : int(starts[i + 1])]
+        if checksum64(landed) != checksum:
+            return i
+        memoryview(dst[i]).cast("B")[:] = memoryview(landed)  # type: ignore[arg-type]
+        progress[0] = i + 1
+    return -1
+
+
 class ProtocolViolation(InvalidArgument):
     """A peer sent something the protocol does not allow (more items than asked, a length
     that is not the destination's, counts beyond the batch): the connection is dropped and
@@ -74,6 +94,8 @@ class ProtocolViolation(InvalidArgument):
 
 class TcpDataServer:
     """Serves a node's blocks to peers over TCP. ``address`` is known after ``start``."""
+
+    transport_metadata = b""  # what readers need beyond ``address`` (a NIXL agent's metadata); published
 
     def __init__(
         self,
@@ -222,7 +244,9 @@ class TcpDataServer:
                 wire.pack_reply(wire.STATUS_UNAUTHENTICATED, 0, "this node requires AUTH with a kvpool credential")
             )
             return False
-        if op in (wire.OP_READ, wire.OP_WRITE, wire.OP_READ_UCX) and not principal.may_use(namespace):
+        if op in (wire.OP_READ, wire.OP_WRITE, wire.OP_READ_UCX, wire.OP_NIXL_READ) and not principal.may_use(
+            namespace
+        ):
             log.warning("data plane: %s (%s) may not use namespace %s", peer, principal.name, namespace.hex())
             conn.sendall(wire.pack_reply(wire.STATUS_DENIED, 0, f"credential {principal.name!r} may not use it"))
             return False
@@ -475,9 +499,9 @@ class TcpTransport:
         deadline = time.monotonic() + self.timeout_s  # timeout_s bounds the whole read
         done = 0
         try:
-            for start in range(0, len(items), wire.MAX_ITEMS):
-                chunk = items[start : start + wire.MAX_ITEMS]
-                result = self._read_chunk(peer, namespace, chunk, dst[start : start + wire.MAX_ITEMS], deadline)
+            for start, end in self._windows(peer, dst):
+                chunk = items[start:end]
+                result = self._read_chunk(peer, namespace, chunk, dst[start:end], deadline)
                 done += result.ok
                 if result.ok < len(chunk):
                     corrupt = start + result.corrupt_index if result.corrupt_index >= 0 else -1
@@ -488,6 +512,17 @@ class TcpTransport:
         return ReadResult(done)
 
     read_op = wire.OP_READ
+
+    def learn_peer(self, peer: str, metadata: bytes) -> None:
+        """What the directory published for ``peer`` beyond its address (``NodeInfo.transport_metadata``);
+        the TCP and UCX data planes need nothing more."""
+
+    def _windows(self, peer: str, dst: Sequence[np.ndarray]) -> list[tuple[int, int]]:
+        """How one read is cut into requests: (start, end) item ranges, each within ``MAX_ITEMS``."""
+        return [(start, min(start + wire.MAX_ITEMS, len(dst))) for start in range(0, len(dst), wire.MAX_ITEMS)]
+
+    def _read_op(self, peer: str) -> int:
+        return self.read_op
 
     def _read_chunk(
         self,
@@ -500,7 +535,7 @@ class TcpTransport:
         sock: socket.socket | None = None
         progress = [0]  # leading items verified so far (kept up to date for the failure path)
         try:
-            request = wire.pack_header(self.read_op, len(items), namespace) + wire.pack_read_items(
+            request = wire.pack_header(self._read_op(peer), len(items), namespace) + wire.pack_read_items(
                 [(it.key, it.range_offset, it.range_length) for it in items]
             )
             sock, status, served, message = self._exchange(

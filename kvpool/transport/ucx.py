@@ -34,11 +34,10 @@ import ucxx._lib.libucxx as ucx_api  # type: ignore[import-untyped]
 from ucxx._lib.arr import Array  # type: ignore[import-untyped]
 
 from kvpool.core.auth import Credentials
-from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, copy_verified
 
 log = logging.getLogger("kvpool.transport")
 
@@ -256,14 +255,9 @@ class UcxTransport(TcpTransport):
         ]
         link.wait(requests, deadline)  # the read's one deadline; TimeoutError -> the caller drops the connection
         try:
-            for i, (length, checksum) in enumerate(metas):
-                landed = staging[starts[i] : starts[i + 1]]
-                if checksum64(landed) != checksum:
-                    return i
-                memoryview(dst[i]).cast("B")[:] = memoryview(landed)  # type: ignore[arg-type]
-                progress[0] = i + 1
-                self.bytes_received += length
-            return -1
+            bad = copy_verified(staging, starts, metas, dst, progress)
+            self.bytes_received += starts[progress[0]]
+            return bad
         finally:
             link.trim_staging()  # every receive has completed: the buffer is free
 

@@ -11,7 +11,15 @@
            proof    : Header(op=AUTH, count=32) + HMAC-SHA256(sha256(token), context || nonce)
                       -> ReplyHeader(OK) or ReplyHeader(UNAUTHENTICATED) and the connection closes
 
-A server with credentials answers READ / WRITE / READ_UCX / UCX_HELLO on a connection that has
+    NIXL_HELLO request : Header(op=NIXL_HELLO, count=0 | 1)
+           reply       : ReplyHeader(OK, count=len(name)) + agent name + metadata length u64 + metadata
+                         (metadata only when count was 1; at most ``MAX_NIXL_METADATA`` bytes)
+    NIXL_READ  request : as READ
+           reply       : as READ's header and metas, then m x address u64 (no bytes follow: the reader
+                         pulls them with one batched NIXL READ, then sends Header(op=NIXL_DONE, count=m);
+                         the server holds its read lease until then, or until the connection drops)
+
+A server with credentials answers READ / WRITE / READ_UCX / UCX_HELLO / NIXL_* on a connection that has
 not passed AUTH with UNAUTHENTICATED and closes it; one whose namespace the authenticated
 credential may not use gets DENIED and is closed (``kvpool.core.auth.data_plane_proof``).
 
@@ -46,6 +54,9 @@ OP_PING = 3
 OP_UCX_HELLO = 4  # payload: worker address (count = its length); reply: the server's worker address
 OP_READ_UCX = 5  # like READ, but the bytes travel as UCX tag messages, one per item
 OP_AUTH = 6  # count 0: ask for a nonce; count 32: the proof for it
+OP_NIXL_HELLO = 7  # count 0: the server's NIXL agent name; 1: its name and agent metadata
+OP_NIXL_READ = 8  # like READ, but the reply carries arena addresses: the reader pulls (NIXL READ)
+OP_NIXL_DONE = 9  # the reader's pulls of the last NIXL_READ finished: the server releases its lease
 
 STATUS_OK = 0
 STATUS_UNKNOWN_NAMESPACE = 1
@@ -62,9 +73,11 @@ READ_META = struct.Struct("<QQ")  # length, checksum
 WRITE_ITEM = struct.Struct("<16sQ")  # key, checksum
 WRITE_COUNTS = struct.Struct("<IIII")  # stored, already_present, in_flight, checksum_failed
 U64 = struct.Struct("<Q")
+NIXL_ADDRESS = U64  # per served item of a NIXL_READ: the virtual address of its bytes in the server's arena
 
 MAX_ITEMS = 65_536  # most items one request may carry (also the largest UCX worker address)
 MAX_MESSAGE = 4096
+MAX_NIXL_METADATA = 1 << 20  # an agent's metadata (its backends' connection info and memory keys)
 
 
 class PeerClosed(ConnectionError):

@@ -1,7 +1,7 @@
 """A real cluster on loopback: etcd + directory + 3 node daemons as processes.
 
 Each node gets its own host name (--host-name), so clients treat the others as remote
-and blocks cross the TCP data plane exactly as between machines. The last test is tenant B
+and blocks cross the data plane (TCP, UCX or NIXL) exactly as between machines. The last test is tenant B
 against tenant A across the cluster (issue 10).
 """
 
@@ -23,7 +23,7 @@ from kvpool.core.spec import KVSpec
 from kvpool.daemon.cluster_events import decode_batch
 from kvpool.daemon.cluster_local import LocalCluster, etcd_binary, eventually, free_port
 from kvpool.proto import directory_pb2, directory_pb2_grpc
-from kvpool.transport.factory import ucx_available
+from kvpool.transport.factory import nixl_available, ucx_available
 
 pytestmark = [
     pytest.mark.etcd,
@@ -57,10 +57,19 @@ def client(c: LocalCluster, directories: list[str], local: str, **kw: object) ->
     return ClusterClient.connect(SPEC, salt=b"t", directory=directories, local=local, timeout_s=3.0, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
-def test_put_through_a_read_from_c_across_the_data_plane(cluster: LocalCluster, transport: str) -> None:
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.ucx), pytest.param("nixl", marks=pytest.mark.nixl)]
+
+
+def skip_unusable(transport: str) -> None:
     if transport == "ucx" and ucx_available():
         pytest.skip(f"ucxx unusable: {ucx_available()}")
+    if transport == "nixl" and nixl_available():
+        pytest.skip(f"nixl unusable: {nixl_available()}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_put_through_a_read_from_c_across_the_data_plane(cluster: LocalCluster, transport: str) -> None:
+    skip_unusable(transport)
     zmq = pytest.importorskip("zmq")
     events_port = free_port()
     d = cluster.start_directory()
@@ -96,6 +105,11 @@ def test_put_through_a_read_from_c_across_the_data_plane(cluster: LocalCluster, 
         assert cc.get_into(h, out) == 24
         np.testing.assert_array_equal(out, data)
         assert cc.counters["remote_blocks"] == 24 and cc.counters["local_blocks"] == 0
+        assert cc.transport.name == transport
+        if transport == "nixl":  # pulled by NIXL READ, with node-a's agent metadata from the directory
+            nixl_counters = cc.transport.counters  # type: ignore[attr-defined]
+            assert nixl_counters["nixl_reads"] >= 1 and nixl_counters["tcp_peers"] == 0
+            assert nixl_counters["metadata_from_directory"] == 1 and nixl_counters["metadata_from_peer"] == 0
         # one layer range of every block: only those bytes cross the wire
         layers = np.zeros((24, 2, *SPEC.block_shape[1:]), dtype=SPEC.numpy_dtype)
         assert cc.get_layers_into(h, 1, 2, layers) == 24
@@ -120,10 +134,15 @@ def test_put_through_a_read_from_c_across_the_data_plane(cluster: LocalCluster, 
     sub.close(0)
 
 
-def test_sigkill_node_lookups_stop_offering_it_and_it_rejoins(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.nixl)])
+def test_sigkill_node_lookups_stop_offering_it_and_it_rejoins(cluster: LocalCluster, transport: str) -> None:
+    skip_unusable(transport)
     d = cluster.start_directory(node_ttl_ms=30_000)  # only etcd's lease can notice the death quickly
-    a, _b, c_addr = start_three(cluster, [d.address])
-    with client(cluster, [d.address], a) as ca, client(cluster, [d.address], c_addr) as cc:
+    a, _b, c_addr = start_three(cluster, [d.address], transport)
+    with (
+        client(cluster, [d.address], a) as ca,
+        client(cluster, [d.address], c_addr, transport=transport) as cc,
+    ):
         h = ca.hashes(np.arange(16 * 64))
         data = blocks(64, 2)
         assert ca.put(h, data).stored == 64
@@ -154,6 +173,8 @@ def test_sigkill_node_lookups_stop_offering_it_and_it_rejoins(cluster: LocalClus
         thread.join(10)
         assert not errors, errors
         assert results[0] == 64 and results[-1] == 0
+        if transport == "nixl":
+            assert cc.transport.counters["nixl_reads"] >= 2  # type: ignore[attr-defined]
         h, data = h[:8], data[:8]
         out = np.zeros_like(data)
         # etcd drops the node's liveness key after its lease TTL (2 s); the directory then stops
@@ -161,7 +182,7 @@ def test_sigkill_node_lookups_stop_offering_it_and_it_rejoins(cluster: LocalClus
         assert eventually(lambda: cc.lookup(h) == 0, timeout_s=10)
         assert cc.get_into(h, out) == 0
         # the node rejoins cleanly under the same id (empty: its arena died with it)
-        cluster.start_node("node-a", [d.address])
+        cluster.start_node("node-a", [d.address], transport=transport)
         assert eventually(
             lambda: "node-a" in {n.node_id for n in cc.link.call("Nodes", directory_pb2.NodesRequest()).nodes}
         )

@@ -68,3 +68,12 @@ def test_wheel_contains_mapped_packages_and_console_script(tmp_path: pathlib.Pat
     assert not any(n.startswith(("storage/", "scheduler/", "kernels/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvpool = kvpool.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_dev_setup_installs_the_nixl_pin_the_transport_names() -> None:
+    """NIXL is installed by tools/dev.sh with --no-deps (not a pip extra): both name one pin."""
+    from kvpool.transport.nixl import NIXL_REQUIREMENT
+
+    script = (ROOT / "tools" / "dev.sh").read_text()
+    assert f'NIXL_REQUIREMENT="{NIXL_REQUIREMENT}"' in script
+    assert '--no-deps "$NIXL_REQUIREMENT"' in script
