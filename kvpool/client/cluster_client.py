@@ -244,10 +244,11 @@ class ClusterClient:
         else:
             previous = f"leader {self._ok_leader} stopped answering and " if self._ok_leader else ""
             what = f"{previous}no directory leader of {self._where()} answered {name}"
+        undone = "nothing was written" if name == "Place" else f"{name} did not complete"
         return DirectoryFailover(
             f"directory failover in progress: {what} within {waited_ms:.0f} ms "
             f"(last: {last.message if last else 'none'})",
-            hint=f"{'nothing was written' if name == 'Place' else name + ' did not complete'}; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
+            hint=f"{undone}; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
             "directory's --election-ttl-s plus a node heartbeat; reads are misses (or local hits) meanwhile",
         )
 
