@@ -10,8 +10,10 @@ it has and the host tier keeps every block it holds.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import pathlib
+import time
 
 from kvpool.core.errors import StorageFault
 
@@ -19,6 +21,9 @@ from kvpool.core.errors import StorageFault
 FULL_BELOW_BYTES = 1 << 20
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+#: while the disk stays full, one log line per this long (every failure is still counted)
+FULL_LOG_INTERVAL_S = 10.0
 
 
 class DiskFull(StorageFault):
@@ -55,3 +60,27 @@ def disk_fault(
             hint=f"free space on the filesystem of {path}, or lower --disk-capacity-bytes below what it can hold",
         )
     return StorageFault(f"{what}: {exc}; {consequence}", hint=otherwise_hint)
+
+
+class FaultLog:
+    """Logs the disk tier's write faults. A full disk fails every batch until space is
+    freed, so its lines are spaced ``FULL_LOG_INTERVAL_S`` apart, each saying how many
+    failures were not logged; other faults are logged every time."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._full_logged_s = -FULL_LOG_INTERVAL_S
+        self._full_unlogged = 0
+
+    def log(self, fault: StorageFault) -> None:
+        if isinstance(fault, DiskFull):
+            now = time.monotonic()
+            if now - self._full_logged_s < FULL_LOG_INTERVAL_S:
+                self._full_unlogged += 1
+                return
+            self._full_logged_s = now
+            if self._full_unlogged:
+                self._log.error("%s (and %d more disk-full failures since the last line)", fault, self._full_unlogged)
+                self._full_unlogged = 0
+                return
+        self._log.error("%s", fault)

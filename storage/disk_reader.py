@@ -13,37 +13,23 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import lmdb
 import numpy as np
 
 from kvpool.core.checksum import checksum64
-from kvpool.storage.disk_files import SlabFiles
-from kvpool.storage.disk_index import DiskEntry, DiskIndexDB
+from kvpool.storage.disk_index import DiskEntry
 from kvpool.storage.disk_recovery import early_entry
-from kvpool.storage.disk_state import DiskBlock, DiskState
+from kvpool.storage.disk_state import DiskBlock, DiskParts
 
 log = logging.getLogger("kvpool.storage.disk_tier")
 
 
 class DiskReader:
-    def __init__(
-        self,
-        state: DiskState,
-        db: DiskIndexDB,
-        files: SlabFiles,
-        pool: ThreadPoolExecutor,
-        delete: Callable[[list[bytes]], None],
-        report_gone: Callable[[list[bytes]], None],
-    ) -> None:
-        self._st = state
-        self._db = db
-        self._files = files
-        self._pool = pool
-        self._delete = delete
-        self._report_gone = report_gone
+    def __init__(self, parts: DiskParts) -> None:
+        self._st, self._db, self._files, self._pool = parts.state, parts.db, parts.files, parts.pool
+        self._delete, self._report_gone = parts.delete, parts.report_gone
 
     def read_many(self, keys: Sequence[bytes]) -> list[DiskBlock | None]:
         """Read and verify blocks in parallel; None for a miss or a block that failed its

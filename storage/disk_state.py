@@ -14,17 +14,32 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvpool.core.errors import StorageFault
-from kvpool.storage.disk_index import DiskEntry
+from kvpool.storage.disk_files import SlabFiles
+from kvpool.storage.disk_index import DiskEntry, DiskIndexDB
 from kvpool.storage.disk_layout import FILE_HEADER_BYTES, BufferPool
 from kvpool.storage.disk_slots import DiskSlots
 from kvpool.storage.eviction import EvictionPolicy, make_policy
 
 EvictSink = Callable[[list[bytes]], None]
+
+
+@dataclass(frozen=True)
+class DiskParts:
+    """What the tier's reader and writer share: the state, the index, the files, the I/O
+    pool, and the facade's two callbacks (durable index deletes; blocks gone from the tier)."""
+
+    state: DiskState
+    db: DiskIndexDB
+    files: SlabFiles
+    pool: ThreadPoolExecutor
+    delete: Callable[[list[bytes]], None]
+    report_gone: EvictSink
 
 
 @dataclass

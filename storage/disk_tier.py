@@ -56,7 +56,7 @@ from kvpool.storage.disk_layout import (
 from kvpool.storage.disk_reader import DiskReader
 from kvpool.storage.disk_recovery import early_entry, open_index, recover
 from kvpool.storage.disk_slots import DiskSlots
-from kvpool.storage.disk_state import DiskBlock, DiskState, DiskStats, EvictSink, QueuedBlock
+from kvpool.storage.disk_state import DiskBlock, DiskParts, DiskState, DiskStats, EvictSink, QueuedBlock
 from kvpool.storage.disk_writer import WRITER_LINGER_S, WRITER_MAX_BATCH, DiskWriter
 
 log = logging.getLogger(__name__)
@@ -143,10 +143,9 @@ class DiskTier:
             self._pool.shutdown(wait=False)
             self._files.close()
             raise
-        self._writer = DiskWriter(
-            self._st, self._db, self._files, self._pool, self._scheme_raw, queue_blocks, self._delete, self._report_gone
-        )
-        self._reader = DiskReader(self._st, self._db, self._files, self._pool, self._delete, self._report_gone)
+        parts = DiskParts(self._st, self._db, self._files, self._pool, self._delete, self._report_gone)
+        self._writer = DiskWriter(parts, self._scheme_raw, queue_blocks)
+        self._reader = DiskReader(parts)
         if not background_recovery:
             try:
                 self._recover()
@@ -251,14 +250,22 @@ class DiskTier:
         return self.present([key])[0]
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
-        """``contains`` for a batch, under one lock acquisition."""
+        """``contains`` for a batch. The host tier asks this under its own lock (on
+        eviction), so no I/O runs under the state lock: during background recovery LMDB is
+        read outside it, then checked against the removals and failed reads that landed
+        meanwhile (those sets only grow until the loaded index is installed)."""
         st = self._st
         with st.lock:
             found = [k in st.index or k in st.queued for k in keys]
             if st.recovered.is_set() or all(found):
                 return found
-            with self._db.reader() as txn:
-                return [hit or early_entry(st, self._db, txn, k) is not None for k, hit in zip(keys, found)]
+        with self._db.reader() as txn:
+            committed = [hit or self._db.get(txn, k) is not None for k, hit in zip(keys, found)]
+        with st.lock:
+            if st.recovered.is_set():  # installed meanwhile: the index is the answer
+                return [k in st.index or k in st.queued for k in keys]
+            gone = st.removed_early | st.failed_early
+            return [(k in st.index or k in st.queued) or (c and k not in gone) for k, c in zip(keys, committed)]
 
     def meta(self, key: bytes) -> tuple[bytes, int, int] | None:
         """(namespace, size, checksum) of a block on disk or queued for it."""

@@ -20,7 +20,7 @@ import mmap
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,9 +28,9 @@ import lmdb
 import numpy as np
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.storage.disk_files import SlabFiles, pwrite_full
-from kvpool.storage.disk_full import DiskFull, disk_fault
-from kvpool.storage.disk_index import DiskEntry, DiskIndexDB
+from kvpool.storage.disk_files import pwrite_full
+from kvpool.storage.disk_full import DiskFull, FaultLog, disk_fault
+from kvpool.storage.disk_index import DiskEntry
 from kvpool.storage.disk_layout import (
     FILE_HEADER_BYTES,
     HEADER_BYTES,
@@ -41,7 +41,7 @@ from kvpool.storage.disk_layout import (
     pack_block_header,
     slot_bytes_for,
 )
-from kvpool.storage.disk_state import DiskState, QueuedBlock
+from kvpool.storage.disk_state import DiskParts, QueuedBlock
 
 log = logging.getLogger("kvpool.storage.disk_tier")
 
@@ -65,28 +65,15 @@ class BatchInFlight:
 class DiskWriter:
     """Owns the write-behind queue, the writer thread and the batch pipeline."""
 
-    def __init__(
-        self,
-        state: DiskState,
-        db: DiskIndexDB,
-        files: SlabFiles,
-        pool: ThreadPoolExecutor,
-        scheme_raw: bytes,
-        queue_blocks: int,
-        delete: Callable[[list[bytes]], None],
-        report_gone: Callable[[list[bytes]], None],
-    ) -> None:
-        self._st = state
-        self._db = db
-        self._files = files
-        self._pool = pool
+    def __init__(self, parts: DiskParts, scheme_raw: bytes, queue_blocks: int) -> None:
+        self._st, self._db, self._files, self._pool = parts.state, parts.db, parts.files, parts.pool
+        self._delete, self._report_gone = parts.delete, parts.report_gone
         self._scheme_raw = scheme_raw
-        self._delete = delete
-        self._report_gone = report_gone
         self.queue: queue.Queue[QueuedBlock | None] = queue.Queue(maxsize=queue_blocks)
         self._write_mutex = threading.Lock()  # one batch is placed at a time
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-disk-commit")
         self._thread: threading.Thread | None = None
+        self._faults = FaultLog(log)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvpool-disk-writer", daemon=True)
@@ -309,7 +296,7 @@ class DiskWriter:
             f"the disk tier stays at {f} slab files ({f * st.slab_file_bytes} bytes)",
             otherwise_hint="check the disk and --disk-dir permissions",
         )
-        log.error("%s", fault)
+        self._faults.log(fault)
         with st.lock:
             st.file_limit = min(st.file_limit, f)
             st.note_fault(fault)
@@ -379,7 +366,7 @@ class DiskWriter:
                 f"{len(job.placed)} demoted blocks dropped (the host tier keeps serving)",
                 otherwise_hint="check the disk (dmesg) and --disk-dir",
             )
-            log.error("%s", fault)
+            self._faults.log(fault)
             with st.lock:
                 st.note_fault(fault)
                 st.stats.io_errors += 1
