@@ -26,7 +26,9 @@ new leader answers lookups with misses until the nodes have re-registered with i
 wait for a leader that has nodes, up to ``failover_wait_ms``, then fail with one
 ``DirectoryFailover`` (an ``Unavailable``) naming the directory and saying a failover is in
 progress: a new leader's "no live node is registered" (``NotFound``) is part of the
-failover, not an answer.
+failover, not an answer. Every other call that needs the directory's answer (``connect``,
+``remove``, ``pin``, ``unpin``, ``stats``, ``put_on``) waits the same way and fails the
+same way, naming the call (``_directory_waiting``).
 """
 
 from __future__ import annotations
@@ -163,8 +165,8 @@ class ClusterClient:
         token: str = "",
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
-        given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long a
-        put waits for a directory leader during a failover."""
+        given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long
+        this call, puts and management calls wait for a directory leader during a failover."""
         namespace = Namespace(spec, salt, adapter)
         link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s, token=token)
         local_client: PoolClient | None = None
