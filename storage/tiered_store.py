@@ -54,6 +54,7 @@ from kvpool.storage.host_store import (
     LeaseGrant,
     PutGrant,
 )
+from kvpool.storage.shutdown_flush import ShutdownFlushReport, flush_host_to_disk
 
 log = logging.getLogger(__name__)
 
@@ -389,6 +390,13 @@ class TieredStore:
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for the disk write-behind queue to drain (tests, benchmarks, shutdown)."""
         return self.disk.flush(timeout_s) if self.disk is not None else True
+
+    def shutdown_flush(self, timeout_ms: int) -> ShutdownFlushReport | None:
+        """Before the daemon exits: write the host blocks the disk tier does not hold to it,
+        within ``timeout_ms`` (``storage/shutdown_flush.py``). None without a disk tier."""
+        if self.disk is None:
+            return None
+        return flush_host_to_disk(self.host, self._buffer, self.disk, timeout_ms)
 
     def close(self) -> None:
         if self.disk is not None:

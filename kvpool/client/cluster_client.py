@@ -26,7 +26,9 @@ new leader answers lookups with misses until the nodes have re-registered with i
 wait for a leader that has nodes, up to ``failover_wait_ms``, then fail with one
 ``DirectoryFailover`` (an ``Unavailable``) naming the directory and saying a failover is in
 progress: a new leader's "no live node is registered" (``NotFound``) is part of the
-failover, not an answer.
+failover, not an answer. Every other call that needs the directory's answer (``connect``,
+``remove``, ``pin``, ``unpin``, ``stats``, ``put_on``) waits the same way and fails the
+same way, naming the call (``_directory_waiting``).
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ class ClusterClient:
             "replicated_blocks": 0,
             "directory_down_reads": 0,  # reads answered without the directory (failover)
             "failover_put_waits": 0,  # puts that waited for a directory leader
+            "failover_call_waits": 0,  # connect/remove/pin/stats calls that waited for one
             "reported_corrupt": 0,  # blocks that arrived failing their checksum, reported to their node
             "dropped_corrupt": 0,  # of those, how many the node found bad too and dropped
         }
@@ -163,17 +166,15 @@ class ClusterClient:
         token: str = "",
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
-        given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long a
-        put waits for a directory leader during a failover."""
+        given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long
+        this call, puts and management calls wait for a directory leader during a failover."""
         namespace = Namespace(spec, salt, adapter)
         link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s, token=token)
-        local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token) if local else None
+        local_client: PoolClient | None = None
+        made: ClusterClient | None = None
         try:
-            link.discover()
-            if not host and local_client is not None:
-                nodes = link.call("Nodes", directory_pb2.NodesRequest()).nodes
-                host = next((n.host for n in nodes if n.node_id == local_client.node_id), "")
-            return cls(
+            local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token) if local else None
+            made = cls(
                 link,
                 namespace,
                 make_transport(transport, timeout_s, token=token),
@@ -185,10 +186,18 @@ class ClusterClient:
                 failover_wait_ms=failover_wait_ms,
                 token=token,
             )
+            # finds the leader, waiting out a failover like every directory call
+            nodes = made._directory_waiting("Nodes", directory_pb2.NodesRequest()).nodes
+            if not host and local_client is not None:
+                made.host = next((n.host for n in nodes if n.node_id == local_client.node_id), "") or made.host
+            return made
         except BaseException:
-            if local_client is not None:
-                local_client.close()
-            link.close()
+            if made is not None:
+                made.close()
+            else:
+                if local_client is not None:
+                    local_client.close()
+                link.close()
             raise
 
     def __enter__(self) -> ClusterClient:
@@ -238,10 +247,11 @@ class ClusterClient:
         else:
             previous = f"leader {self._ok_leader} stopped answering and " if self._ok_leader else ""
             what = f"{previous}no directory leader of {self._where()} answered {name}"
+        undone = "nothing was written" if name == "Place" else f"{name} did not complete"
         return DirectoryFailover(
             f"directory failover in progress: {what} within {waited_ms:.0f} ms "
             f"(last: {last.message if last else 'none'})",
-            hint=f"nothing was written; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
+            hint=f"{undone}; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
             "directory's --election-ttl-s plus a node heartbeat; reads are misses (or local hits) meanwhile",
         )
 
@@ -256,32 +266,40 @@ class ClusterClient:
         return changed is not None and self._clock.now_ms() - changed < self.failover_wait_ms
 
     def _place(self, request: directory_pb2.PlaceRequest) -> Any:
-        """``Place``, waiting out a failover for up to ``failover_wait_ms``: retried while no
-        leader answers and while a new leader has no node yet (``_new_leader_without_nodes``),
-        then one ``DirectoryFailover``. Never the new leader's misleading NotFound."""
+        """``Place``, waiting out a failover (``_directory_waiting``); a new leader's "no live
+        node is registered" is waited out too (``_new_leader_without_nodes``). Never the new
+        leader's misleading NotFound."""
+        reply = self._directory_waiting("Place", request, place=True)
+        self._place_leader = self.link.leader
+        return reply
+
+    def _directory_waiting(self, name: str, request: Any, place: bool = False) -> Any:
+        """``Directory.<name>``, waiting out a failover for up to ``failover_wait_ms``:
+        retried (with backoff) while no leader answers, then one ``DirectoryFailover``.
+        Every call that must reach the directory (connect, puts, remove, pin, stats) goes
+        through here; reads do not wait (they are misses meanwhile). ``place``: a NotFound
+        from a new leader that has no node yet is part of the failover too."""
         started = self._clock.now_ms()
         pause_ms = float(PLACE_RETRY_FIRST_MS)
         last: KVPoolError | None = None
         waited = False
         while True:
             try:
-                reply = self._directory("Place", request)
+                return self._directory(name, request)
             except (Unavailable, NotLeader) as err:
                 last = err
             except NotFound as err:
-                if not (waited or self._new_leader_without_nodes()):
+                if not place or not (waited or self._new_leader_without_nodes()):
                     raise
                 last = err
-            else:
-                self._place_leader = self.link.leader
-                return reply
             elapsed_ms = self._clock.now_ms() - started
             if elapsed_ms >= self.failover_wait_ms:
-                raise self._failover_error("Place", elapsed_ms, last) from None
+                raise self._failover_error(name, elapsed_ms, last) from None
             if not waited:
                 waited = True
-                self.counters["failover_put_waits"] += 1
-                log.info("directory did not place a put (%s); waiting up to %d ms", last, self.failover_wait_ms)
+                with self._lock:
+                    self.counters["failover_put_waits" if place else "failover_call_waits"] += 1
+                log.info("directory did not answer %s (%s); waiting up to %d ms", name, last, self.failover_wait_ms)
             self._sleep(min(pause_ms, self.failover_wait_ms - elapsed_ms) / 1000)
             pause_ms = min(pause_ms * 2, PLACE_RETRY_MAX_MS)
 
@@ -579,7 +597,7 @@ class ClusterClient:
     def put_on(self, node_id: str, hashes: Sequence[bytes], blocks: Any) -> PutResult:
         """Store blocks on one named node (tests, manual replication)."""
         rows = block_rows(blocks, self.spec, "blocks")
-        nodes = self._directory("Nodes", directory_pb2.NodesRequest()).nodes
+        nodes = self._directory_waiting("Nodes", directory_pb2.NodesRequest()).nodes
         for n in nodes:
             if n.node_id == node_id:
                 return self._put_on(Holder.of(n), hashes, blocks, rows)
@@ -606,11 +624,12 @@ class ClusterClient:
 
     # -- management ----------------------------------------------------------------------
     def remove(self, hashes: Sequence[bytes]) -> int:
-        reply = self._directory("Remove", directory_pb2.RemoveRequest(namespace=self._ns, hashes=pack_hashes(hashes)))
+        request = directory_pb2.RemoveRequest(namespace=self._ns, hashes=pack_hashes(hashes))
+        reply = self._directory_waiting("Remove", request)
         return int(reply.removed)
 
     def pin(self, hashes: Sequence[bytes], ttl_ms: int | None = None) -> int:
-        reply = self._directory(
+        reply = self._directory_waiting(
             "Pin",
             directory_pb2.PinRequest(
                 namespace=self._ns, hashes=pack_hashes(hashes), hard=ttl_ms is None, ttl_ms=ttl_ms or 0
@@ -619,13 +638,13 @@ class ClusterClient:
         return int(reply.changed)
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
-        reply = self._directory(
+        reply = self._directory_waiting(
             "Pin", directory_pb2.PinRequest(namespace=self._ns, hashes=pack_hashes(hashes), unpin=True)
         )
         return int(reply.changed)
 
     def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads(self._directory("Stats", directory_pb2.StatsRequest()).json)
+        result: dict[str, Any] = json.loads(self._directory_waiting("Stats", directory_pb2.StatsRequest()).json)
         result["client"] = dict(self.counters)
         return result
 

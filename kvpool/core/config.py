@@ -74,6 +74,7 @@ class TierConfig:
     disk_admission: str = "all"  # "all" | "second-hit": skip one-hit blocks on disk
     disk_io_threads: int = 4
     write_behind_queue_blocks: int = 1024  # bounded host -> disk queue
+    shutdown_flush_ms: int = 10_000  # on SIGTERM, write host-only blocks to disk for at most this long
     device_capacity_bytes: int = 0
     device: str = "cuda"  # "cuda", or "cpu" only behind the test switch
     device_policy: str = "lru"
@@ -95,6 +96,8 @@ class TierConfig:
                 raise InvalidArgument(f"{name} must be positive")
         if self.device_capacity_bytes < 0:
             raise InvalidArgument("device_capacity_bytes must be >= 0")
+        if self.shutdown_flush_ms < 0:
+            raise InvalidArgument("shutdown_flush_ms must be >= 0 (0: do not write host blocks to disk at exit)")
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,12 @@ OPTIONS: list[Option] = [
         "bound of the host->disk write-behind queue, in blocks. Default 1024.",
     ),
     Option(
+        "--shutdown-flush-ms",
+        "tiers.shutdown_flush_ms",
+        int,
+        "on SIGTERM, write the host blocks the disk tier lacks to it for at most this long (0: off). Default 10000.",
+    ),
+    Option(
         "--device-capacity-bytes",
         "tiers.device_capacity_bytes",
         parse_bytes,

@@ -217,6 +217,9 @@ class PoolNode:
 
     def close(self) -> None:
         self.events.close()
+        flush = getattr(self.store, "shutdown_flush", None)  # a tiered store with a disk tier
+        if flush is not None and self.config.tiers.shutdown_flush_ms > 0:
+            flush(self.config.tiers.shutdown_flush_ms)
         closer = getattr(self.store, "close", None)
         if closer is not None:
             closer()
