@@ -34,6 +34,8 @@ import numpy as np
 from kvpool.core.checksum import checksum64
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import StoreConfig, TierConfig
+from kvpool.core.keys import block_key
+from kvpool.core.spec import KVSpec, Namespace
 from kvpool.storage.disk_tier import DiskTier, aligned_buffer, file_layout, probe_direct_io, slot_bytes_for
 from kvpool.storage.tiered_store import TieredStore
 
@@ -42,6 +44,20 @@ MiB = 1 << 20
 
 def key(i: int) -> bytes:
     return i.to_bytes(16, "little")
+
+
+def restart_spec(block_bytes: int) -> KVSpec:
+    """The spec the restart check's daemon client uses; its blocks are ``block_bytes`` long."""
+    if block_bytes % 128:
+        raise SystemExit("--restart-block-bytes must be a multiple of 128 for the daemon check")
+    return KVSpec(model="bench-disk", num_layers=1, num_kv_heads=1, head_dim=block_bytes // 128,
+                  dtype="float32", block_tokens=16)  # fmt: skip
+
+
+def stored_key(block_bytes: int, i: int) -> bytes:
+    """The store key of block ``i`` as the daemon builds it: the namespace digest of the
+    client's spec (no salt) || the 16-byte hash."""
+    return block_key(Namespace(restart_spec(block_bytes)).digest(), key(i))
 
 
 def raw_io(path: pathlib.Path, blocks: list[np.ndarray], threads: int, batch: int, direct: bool) -> tuple[float, float]:
@@ -129,7 +145,7 @@ def restart_first_hit(directory: pathlib.Path, n_blocks: int, block_bytes: int) 
         for i in range(first, min(first + step, n_blocks)):
             block = payload.copy()
             block[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
-            chunk.append((key(i), bytes(16), block, checksum64(block)))
+            chunk.append((stored_key(block_bytes, i), bytes(16), block, checksum64(block)))
         tier.write_now(chunk)
     write_s = time.perf_counter() - started
     tier.close()
@@ -138,7 +154,7 @@ def restart_first_hit(directory: pathlib.Path, n_blocks: int, block_bytes: int) 
     buffer = np.zeros(store_cfg.capacity_bytes, dtype=np.uint8)
     started = time.perf_counter()
     store = TieredStore(buffer, store_cfg, tiers, MonotonicClock())
-    probe = key(n_blocks // 2)
+    probe = stored_key(block_bytes, n_blocks // 2)
     grant = store.lease([probe])
     first_hit_s = time.perf_counter() - started
     assert len(grant.locations) == 1, "the restarted store did not serve the block"
@@ -163,12 +179,8 @@ def daemon_first_hit(directory: pathlib.Path, n_blocks: int, block_bytes: int) -
 
     from kvpool.client.pool_client import PoolClient
     from kvpool.core.errors import KVPoolError
-    from kvpool.core.spec import KVSpec
 
-    if block_bytes % 128:
-        raise SystemExit("--restart-block-bytes must be a multiple of 128 for the daemon check")
-    spec = KVSpec(model="bench-disk", num_layers=1, num_kv_heads=1, head_dim=block_bytes // 128,
-                  dtype="float32", block_tokens=16)  # fmt: skip
+    spec = restart_spec(block_bytes)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
