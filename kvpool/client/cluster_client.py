@@ -50,7 +50,7 @@ from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
 from kvpool.core.hashing import block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
-from kvpool.directory.etcd import EtcdClient
+from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
 from kvpool.proto import directory_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata
@@ -165,7 +165,8 @@ class ClusterClient:
         given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long a
         put waits for a directory leader during a failover."""
         namespace = Namespace(spec, salt, adapter)
-        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s, token=token)
+        session = EtcdSession(etcd).start() if etcd else None
+        link = DirectoryLink(directory, session, cluster, timeout_s, token=token, owns_etcd=True)
         local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token) if local else None
         try:
             link.discover()

@@ -28,8 +28,9 @@ from kvpool.core.keys import block_keys
 from kvpool.daemon.credentials import load_token
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.supervisor import Supervisor
-from kvpool.directory.etcd import EtcdClient, Membership
+from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
+from kvpool.directory.membership import Membership
 from kvpool.directory.state import TIER_CODES
 from kvpool.proto import directory_pb2
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
@@ -122,7 +123,7 @@ class ClusterAgent:
         self.incarnation = (time.time_ns() ^ (os.getpid() << 20)) & ((1 << 63) - 1)
         self.host = self.cluster.host or socket.gethostname()
         self.data_server: DataServer | None = None
-        self.etcd = EtcdClient(list(self.cluster.etcd_list)) if self.cluster.etcd_list else None
+        self.etcd = EtcdSession(self.cluster.etcd_list) if self.cluster.etcd_list else None
         self.membership: Membership | None = None
         self.link: DirectoryLink | None = None
         self.registered = False
@@ -146,9 +147,10 @@ class ClusterAgent:
             self.membership = Membership(
                 self.etcd, self.cluster.cluster, self.node.node_id, self._info(), self.cluster.liveness_ttl_s
             )
-            self.membership.tick()
-            period_ms = max(100, self.cluster.liveness_ttl_s * 1000 // 3)
-            self.supervisor.every("etcd-liveness", period_ms, self.membership.tick)
+            self.etcd.start()
+            # join before registering with the directory: it drops a registered node it
+            # cannot see in etcd (``MemberWatch``)
+            self.membership.start(self.supervisor.fail, first_round_s=self.etcd.timeout_s * 2)
         if self.cluster.directory_list or self.etcd is not None:
             self.link = DirectoryLink(
                 self.cluster.directory_list, self.etcd, self.cluster.cluster, token=load_token(self.cluster.token_file)
@@ -261,3 +263,5 @@ class ClusterAgent:
             self.data_server.stop()
         if self.link is not None:
             self.link.close()
+        if self.etcd is not None:
+            self.etcd.close()

@@ -33,12 +33,17 @@ class Supervisor:
                 target()
             except BaseException as exc:  # crash loudly: the daemon must not limp on
                 log.critical("background task %r crashed: %s", name, exc, exc_info=True)
-                self.failure = exc
-                self.stopping.set()
+                self.fail(exc)
 
         thread = threading.Thread(target=guarded, name=f"kvpool-{name}", daemon=True)
         self._threads.append(thread)
         thread.start()
+
+    def fail(self, exc: BaseException) -> None:
+        """A task owned elsewhere (an etcd role on its session's loop) crashed: stop the
+        daemon as if one of ours had."""
+        self.failure = exc
+        self.stopping.set()
 
     def stop(self, join_timeout_s: float = 5.0) -> None:
         self.stopping.set()

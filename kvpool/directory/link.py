@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvpool.core.errors import InvalidArgument, NotLeader, Unavailable
-from kvpool.directory.etcd import EtcdClient, find_leader
+from kvpool.directory.etcd import EtcdSession, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
 from kvpool.rpc.auth import call_metadata
 from kvpool.rpc.codec import channel_options
@@ -32,17 +32,20 @@ class DirectoryLink:
     def __init__(
         self,
         addresses: Sequence[str] = (),
-        etcd: EtcdClient | None = None,
+        etcd: EtcdSession | None = None,
         cluster: str = "default",
         timeout_s: float = 5.0,
         token: str = "",
+        owns_etcd: bool = False,
     ) -> None:
         """``token``: sent with every call (a tenant's for a client, the cluster token for
-        a node) to a directory with credentials."""
+        a node) to a directory with credentials. ``owns_etcd``: ``close`` closes ``etcd``
+        too (a client's own session; a node shares its session with its membership)."""
         if not addresses and etcd is None:
             raise InvalidArgument("no directory address and no etcd endpoint", hint="pass --directory or --etcd")
         self.addresses = list(addresses)
         self.etcd = etcd
+        self._owns_etcd = owns_etcd
         self.cluster = cluster
         self.timeout_s = timeout_s
         self._metadata = call_metadata(token)
@@ -121,6 +124,8 @@ class DirectoryLink:
                 self._channel.close()
             self._channel = None
             self._stub = None
+        if self._owns_etcd and self.etcd is not None:
+            self.etcd.close()
 
 
 Call = Callable[..., Any]
