@@ -25,14 +25,14 @@ from kvpool.core.errors import KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import block_keys
-from kvpool.daemon.credentials import load_token
+from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.node import PoolNode
-from kvpool.daemon.supervisor import Supervisor
 from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
 from kvpool.directory.membership import Membership
 from kvpool.directory.state import TIER_CODES
 from kvpool.proto import directory_pb2
+from kvpool.rpc.credentials import load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
 

@@ -19,8 +19,7 @@ import grpc
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.config import is_loopback_address
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.daemon.credentials import load_credentials, load_token
-from kvpool.daemon.supervisor import Supervisor
+from kvpool.core.supervisor import Supervisor
 from kvpool.directory.election import LeaderElection
 from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.membership import MemberWatch
@@ -28,6 +27,7 @@ from kvpool.directory.service import DirectoryService
 from kvpool.directory.state import DirectoryDB, DirectoryState
 from kvpool.proto import directory_pb2
 from kvpool.rpc.codec import server_options
+from kvpool.rpc.credentials import load_credentials, load_token
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.directory.server")
