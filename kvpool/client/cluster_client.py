@@ -49,6 +49,7 @@ from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hel
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
 from kvpool.core.hashing import block_hashes, pack_hashes
+from kvpool.core.retry import RetryPolicy
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
@@ -64,8 +65,9 @@ log = logging.getLogger("kvpool.cluster_client")
 MAX_PARALLEL_PEERS = 8
 DEFAULT_FAILOVER_WAIT_MS = 5_000  # > the directory's default election TTL (2 s) + a node heartbeat
 FAILOVER_PROBE_MS = 100  # while the directory is down, reads ask it at most this often
-PLACE_RETRY_FIRST_MS = 25  # a waiting put retries Place after this, doubling...
-PLACE_RETRY_MAX_MS = 250  # ...up to this
+#: a put waiting out a failover retries Place after 25 ms, doubling up to 250 ms (until
+#: ``failover_wait_ms``)
+PLACE_RETRY = RetryPolicy(first_delay_ms=25, max_delay_ms=250)
 
 
 class DirectoryFailover(Unavailable):
@@ -260,7 +262,7 @@ class ClusterClient:
         leader answers and while a new leader has no node yet (``_new_leader_without_nodes``),
         then one ``DirectoryFailover``. Never the new leader's misleading NotFound."""
         started = self._clock.now_ms()
-        pause_ms = float(PLACE_RETRY_FIRST_MS)
+        backoff = PLACE_RETRY.backoff()
         last: KVPoolError | None = None
         waited = False
         while True:
@@ -282,8 +284,7 @@ class ClusterClient:
                 waited = True
                 self.counters["failover_put_waits"] += 1
                 log.info("directory did not place a put (%s); waiting up to %d ms", last, self.failover_wait_ms)
-            self._sleep(min(pause_ms, self.failover_wait_ms - elapsed_ms) / 1000)
-            pause_ms = min(pause_ms * 2, PLACE_RETRY_MAX_MS)
+            self._sleep(min(backoff.next_delay_s(), (self.failover_wait_ms - elapsed_ms) / 1000))
 
     def locate(
         self, hashes: Sequence[bytes], lease_ms: int = 0, for_read: bool = False

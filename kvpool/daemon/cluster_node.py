@@ -25,6 +25,7 @@ from kvpool.core.errors import KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import block_keys
+from kvpool.core.retry import RetryPolicy
 from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.node import PoolNode
 from kvpool.directory.etcd import EtcdSession
@@ -39,7 +40,9 @@ from kvpool.transport.factory import make_data_server
 log = logging.getLogger("kvpool.cluster")
 
 MAX_EVENTS_PER_HEARTBEAT = 512
-RETRY_DELAY_S = 0.5
+#: the directory unreachable or refusing: register again after this (constant: a node
+#: should rejoin a new leader within one wait)
+DIRECTORY_RETRY = RetryPolicy(first_delay_ms=500, max_delay_ms=500)
 
 
 class NodeBlockStore:
@@ -235,12 +238,12 @@ class ClusterAgent:
 
     def _sync_loop(self) -> None:
         wait_s = self.cluster.heartbeat_interval_ms / 1000.0
-        complained = False
+        backoff = DIRECTORY_RETRY.backoff()
         while not self.supervisor.stopping.is_set():
             try:
                 if not self.registered:
                     self.register()
-                    complained = False
+                    backoff.reset()
                 events = self.node.events.read_from(self._next_seq, wait_s=wait_s)[:MAX_EVENTS_PER_HEARTBEAT]
                 if self.supervisor.stopping.is_set():
                     return
@@ -248,13 +251,12 @@ class ClusterAgent:
                     log.info("node %s: directory asked for a resync", self.node.node_id)
                     self.registered = False
             except KVPoolError as err:
-                if not complained:
+                if backoff.retries == 0:  # once per outage
                     log.warning("node %s: directory unreachable or refused (%s); retrying", self.node.node_id, err)
-                    complained = True
                 self.registered = False
                 if self.link is not None:
                     self.link.close()
-                self.supervisor.stopping.wait(RETRY_DELAY_S)
+                self.supervisor.stopping.wait(backoff.next_delay_s())
 
     def stop(self) -> None:
         if self.membership is not None:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvpool.core.errors import InvalidArgument, NotLeader, Unavailable
+from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.directory.etcd import EtcdSession, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
 from kvpool.rpc.auth import call_metadata
@@ -26,6 +27,8 @@ log = logging.getLogger("kvpool.directory.link")
 
 T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 << 20
+#: a standby's NOT_LEADER or a dead leader's UNAVAILABLE: find the leader and call once more
+FAILOVER_REDIRECT = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
 
 
 class DirectoryLink:
@@ -100,8 +103,10 @@ class DirectoryLink:
         return address
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        """Call ``Directory.<name>`` on the leader, rediscovering it once on failover."""
-        for attempt in range(2):
+        """Call ``Directory.<name>`` on the leader, rediscovering it once on failover
+        (``FAILOVER_REDIRECT``)."""
+
+        def once() -> Any:
             if self._stub is None:
                 self.discover()
             stub, leader = self._stub, self._leader
@@ -109,14 +114,16 @@ class DirectoryLink:
             try:
                 return getattr(stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc, leader)
-                if attempt == 0 and isinstance(err, NotLeader | Unavailable):
-                    log.info("directory at %s: %s; finding the leader again", leader, err.message)
-                    with self._lock:
-                        self._stub = None
-                    continue
-                raise err from None
-        raise Unavailable("directory call failed after rediscovery")  # unreachable
+                raise from_rpc_error(exc, leader) from None
+
+        def rediscover(err: BaseException) -> None:
+            log.info("directory at %s: %s; finding the leader again", self._leader, err)
+            with self._lock:
+                self._stub = None
+
+        if self._stub is None:
+            self.discover()  # not finding a leader at all is not retried here
+        return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
 
     def close(self) -> None:
         with self._lock:

@@ -41,6 +41,7 @@ from kvpool.core.errors import (
     Unavailable,
     UnknownNamespace,
 )
+from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore, ReadItem, ReadResult, WriteResult
 
@@ -50,6 +51,8 @@ SOCKET_BUFFER_BYTES = 4 << 20
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT_S = 10.0
 MAX_IDLE_PER_PEER = 8
+#: a pooled connection found dead before the reply header: once more, on a fresh one
+DEAD_POOLED_CONNECTION = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -434,26 +437,28 @@ class TcpTransport:
         twice is "already present"), so the retry cannot double anything. A timeout is not
         retried: a slow live peer must not get the request twice. The pool's other idle
         connections to that peer are dropped too (a restarted peer killed them all)."""
-        sock, pooled = self._take(peer, deadline)
-        try:
-            send(sock)
-            return (sock, *wire.recv_reply(sock, deadline))
-        except OSError as exc:
-            self._discard(sock)
-            if not pooled or isinstance(exc, TimeoutError):
+        fresh = pooled = False
+
+        def once() -> tuple[socket.socket, int, int, str]:
+            nonlocal pooled
+            sock, pooled = self._take(peer, deadline, fresh=fresh)
+            try:
+                send(sock)
+                return (sock, *wire.recv_reply(sock, deadline))
+            except BaseException:
+                self._discard(sock)
                 raise
+
+        def dead_pooled(exc: BaseException) -> bool:
+            return pooled and isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
+
+        def drop_dead(exc: BaseException) -> None:
+            nonlocal fresh
             log.info("data plane: pooled connection to %s was dead (%s): retrying on a fresh one", peer, exc)
-        except BaseException:
-            self._discard(sock)
-            raise
-        self.drop_peer(peer)
-        sock, _ = self._take(peer, deadline, fresh=True)
-        try:
-            send(sock)
-            return (sock, *wire.recv_reply(sock, deadline))
-        except BaseException:
-            self._discard(sock)
-            raise
+            self.drop_peer(peer)
+            fresh = True
+
+        return retry_call(once, DEAD_POOLED_CONNECTION, dead_pooled, drop_dead)
 
     def _give(self, peer: str, sock: socket.socket) -> None:
         with self._lock:
