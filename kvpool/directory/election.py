@@ -176,14 +176,15 @@ class LeaderElection:
         while True:
             await asyncio.sleep(self.renew_period_s)
             sent_ms = self._clock.now_ms()
+            budget_s = max(0.1, (self._deadline_ms() - sent_ms) / 1000.0)  # no later than the lease
             try:
-                reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id), timeout_s=self.renew_period_s)
-                current = await self.etcd.call(lambda c: c.get(self.key), timeout_s=self.renew_period_s)
+                reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id), timeout_s=budget_s)
+                current = await self.etcd.call(lambda c: c.get(self.key), timeout_s=budget_s)
             except Unavailable as err:
                 self._set(etcd_ok=False)
                 if self._clock.now_ms() >= self._deadline_ms():
                     log.warning("directory %s cannot renew its leader lease (%s): stepping down", self.address, err)
-                    return
+                    raise
                 continue
             if reply is None or int(reply.TTL) <= 0:
                 log.warning("directory %s: its leader lease expired: stepping down", self.address)

@@ -125,13 +125,21 @@ class EtcdSession:
     async def call(self, make: Callable[[aetcd.Client], Awaitable[T]], timeout_s: float | None = None) -> T:
         """One etcd call on the loop, bounded by ``timeout_s``; a failure moves the session to
         the next endpoint and is ``Unavailable``."""
+        client: aetcd.Client | None = None
         try:
             client = await self._connected()
             return await asyncio.wait_for(make(client), timeout_s or self.timeout_s)
         except ETCD_ERRORS as exc:
             log.debug("etcd call failed: %r", exc)
-            await self._drop_client()
+            await self._drop_client(client)
             raise self.unavailable(str(exc) or type(exc).__name__) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our owner cancels us: stop
+            # grpc.aio cancels the calls in flight on a channel another task closed after its
+            # own call failed: a failed call here too, not a reason to stop
+            raise self.unavailable("the connection was closed under this call") from None
 
     async def revoke(self, lease_id: int) -> None:
         """Revoke a lease (its keys go with it); one that already expired is not an error."""
@@ -155,11 +163,21 @@ class EtcdSession:
         if self._client is None:
             host, port = _host_port(self.endpoints[self._preferred])
             client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
-            await asyncio.wait_for(client.connect(), self.timeout_s)
+            try:
+                await asyncio.wait_for(client.connect(), self.timeout_s)
+            except ETCD_ERRORS:
+                self._preferred = (self._preferred + 1) % len(self.endpoints)
+                with contextlib.suppress(*ETCD_ERRORS):
+                    await asyncio.wait_for(client.close(), self.timeout_s)
+                raise
             self._client = client
         return self._client
 
-    async def _drop_client(self) -> None:
+    async def _drop_client(self, failed: aetcd.Client | None) -> None:
+        """Close the client a call failed on and move to the next endpoint, unless another
+        task already did (then the current client is a new one: keep it)."""
+        if failed is None or failed is not self._client:
+            return
         client, self._client = self._client, None
         self._preferred = (self._preferred + 1) % len(self.endpoints)
         if client is not None:

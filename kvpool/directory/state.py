@@ -98,6 +98,7 @@ class DirectoryState:
         self._leases = LeaseTable(max_lease_ms, max_leases)
         self._slots = itertools.count(1)
         self._dirty: set[str] = set()
+        self._writing = 0  # nodes the flush in progress is writing
         self.epoch = 1
         self.counters = {
             "lookups": 0,
@@ -155,6 +156,7 @@ class DirectoryState:
             rows = [(self._nodes.get(nid), nid) for nid in dirty]
             snapshot = [(r.public(), dict(r.keys)) if r is not None else (None, nid) for r, nid in rows]
             namespaces = dict(self._namespaces)
+            self._writing = len(snapshot)
         flushed = 0
         try:
             for public, keys in snapshot:
@@ -168,6 +170,9 @@ class DirectoryState:
             with self._lock:  # the rest (the failed one included) go again on the next flush
                 self._dirty.update(nid for _, nid in rows[flushed:])
             raise
+        finally:
+            with self._lock:
+                self._writing = 0
         self._db.put_namespaces(namespaces)
         return len(snapshot)
 
@@ -396,6 +401,8 @@ class DirectoryState:
                 "leases_active": len(self._leases),
                 "leases_refused": self._leases.refused,
                 "deferred_removes": self._leases.deferred,
+                # nodes whose last change is not in RocksDB yet (0 without --data-dir)
+                "unflushed_nodes": len(self._dirty) + self._writing if self._db is not None else 0,
                 **self.counters,
                 "lookup_hit_blocks_by_tier": dict(self.lookup_hit_blocks_by_tier),
             }

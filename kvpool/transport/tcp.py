@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Callable, Sequence
 
@@ -99,6 +100,9 @@ class TcpDataServer:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
+        # one worker per open connection, at most max_connections; ``stop`` joins them all
+        # before it returns, so none touches the store (the arena) after the owner closes it
+        self._workers = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvpool-data-conn")
         self.address = listen
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -122,6 +126,7 @@ class TcpDataServer:
         self._accept_thread.start()
 
     def stop(self) -> None:
+        """Stop accepting, shut every connection down and join the workers serving them."""
         self._stopping.set()
         if self._sock is not None:
             try:
@@ -129,14 +134,16 @@ class TcpDataServer:
             except OSError:
                 pass
             self._sock.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(2.0)  # no connection is added after this
         with self._lock:
             for conn in list(self._conns):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        if self._accept_thread is not None:
-            self._accept_thread.join(2.0)
+        # each worker's recv returns on its shut-down socket and it closes it
+        self._workers.shutdown(wait=True)
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -153,9 +160,13 @@ class TcpDataServer:
                 self._conns.add(conn)
             _tune(conn)
             conn.settimeout(self._idle_timeout_s)
-            threading.Thread(
-                target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True, name="kvpool-data-conn"
-            ).start()
+            try:
+                self._workers.submit(self._serve, conn, f"{peer[0]}:{peer[1]}")
+            except RuntimeError:  # stop() shut the pool down meanwhile
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                return
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         state: dict[str, object] = {}  # per-connection state of subclasses (the UCX endpoint)

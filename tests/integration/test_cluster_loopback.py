@@ -72,19 +72,29 @@ def test_put_through_a_read_from_c_across_the_data_plane(cluster: LocalCluster, 
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 5000)
     sub.connect(f"tcp://127.0.0.1:{events_port}")
-    time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher
     with (
         client(cluster, [d.address], a) as ca,
         client(cluster, [d.address], c_addr, replicate_after=2, transport=transport) as cc,
     ):
+        # PUB/SUB drops what is published before the subscription reaches the publisher: put
+        # fresh one-block probes until one is heard (the condition, not a guessed sleep)
+        last_seq = -1
+        for probe in range(100):
+            ca.put(ca.hashes(np.arange(16) + 100_000 + 16 * probe), blocks(1, 100 + probe))
+            if sub.poll(100):
+                while sub.poll(200):  # the probes' batches still on their way
+                    last_seq = int.from_bytes(sub.recv_multipart()[1], "big")
+                break
+        assert last_seq >= 0, "the subscription never reached node-a's publisher"
         h = ca.hashes(np.arange(16 * 24))
         data = blocks(24, 1)
         assert ca.put(h, data).stored == 24
-        # node-a announced them in vLLM's wire format
+        # node-a announced them in vLLM's wire format, in batches numbered on from the probes'
         seen: list[bytes] = []
         while len(seen) < 24:
             _topic, seq, payload = sub.recv_multipart()
-            assert int.from_bytes(seq, "big") >= 0
+            assert int.from_bytes(seq, "big") == last_seq + 1
+            last_seq += 1
             for event in decode_batch(payload)[1]:
                 if event[0] == "BlockStored":
                     assert event[4] == SPEC.block_tokens and event[6] == "CPU"
@@ -236,7 +246,8 @@ def test_directory_restart_with_rocksdb_answers_from_its_state(tmp_path) -> None
             h = ca.hashes(np.arange(16 * 4))
             ca.put(h, blocks(4, 6))
             assert eventually(lambda: ca.lookup(h) == 4)
-            time.sleep(1.2)  # one flush interval
+            # the directory has written every change it knows of to RocksDB
+            assert eventually(lambda: ca.stats()["unflushed_nodes"] == 0)
             port = d.address.rsplit(":", 1)[1]
             d.kill()
             a.kill()  # the node is gone too: only RocksDB can answer now
