@@ -17,9 +17,9 @@ import logging
 import os
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
