@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -52,6 +51,9 @@ SOCKET_BUFFER_BYTES = 4 << 20
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT_S = 10.0
 MAX_IDLE_PER_PEER = 8
+#: how long ``TcpDataServer.stop`` waits for its connection workers (a UCX one may be in a
+#: transfer with its own deadline)
+STOP_JOIN_S = 10.0
 #: a pooled connection found dead before the reply header: once more, on a fresh one
 DEAD_POOLED_CONNECTION = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
 
@@ -100,9 +102,10 @@ class TcpDataServer:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
-        # one worker per open connection, at most max_connections; ``stop`` joins them all
-        # before it returns, so none touches the store (the arena) after the owner closes it
-        self._workers = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvpool-data-conn")
+        # one worker thread per open connection (at most max_connections: the accept loop
+        # refuses past that); ``stop`` joins them before it returns, so none touches the store
+        # (the arena) after its owner closes it
+        self._workers: set[threading.Thread] = set()
         self.address = listen
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -143,7 +146,14 @@ class TcpDataServer:
                 except OSError:
                     pass
         # each worker's recv returns on its shut-down socket and it closes it
-        self._workers.shutdown(wait=True)
+        deadline = time.monotonic() + STOP_JOIN_S
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        late = [w for w in workers if w.is_alive()]
+        if late:
+            log.warning("data plane: %d connection workers still busy %.0f s after stop", len(late), STOP_JOIN_S)
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -160,13 +170,12 @@ class TcpDataServer:
                 self._conns.add(conn)
             _tune(conn)
             conn.settimeout(self._idle_timeout_s)
-            try:
-                self._workers.submit(self._serve, conn, f"{peer[0]}:{peer[1]}")
-            except RuntimeError:  # stop() shut the pool down meanwhile
-                with self._lock:
-                    self._conns.discard(conn)
-                conn.close()
-                return
+            worker = threading.Thread(
+                target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True, name="kvpool-data-conn"
+            )
+            with self._lock:
+                self._workers.add(worker)
+            worker.start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         state: dict[str, object] = {}  # per-connection state of subclasses (the UCX endpoint)
@@ -208,6 +217,7 @@ class TcpDataServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._workers.discard(threading.current_thread())
             conn.close()
             self._close_state(state)
 

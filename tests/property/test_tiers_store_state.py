@@ -178,6 +178,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         if self.store.host.entry(key(i)) is None and (device is None or not device.contains(key(i))):
             failures = disk.stats.checksum_failures
             grant = self.store.lease([key(i)])
+            self.asked += 1
             assert grant.locations == []  # detected, dropped, a miss: never the flipped bytes
             assert disk.stats.checksum_failures == failures + 1
             assert not disk.contains(key(i))

@@ -1,5 +1,5 @@
-"""Every thread of the TCP data server has an owner: one worker per open connection from a
-bounded pool, all joined by ``TcpDataServer.stop`` before it returns, so none can touch the
+"""Every thread of the TCP data server has an owner: one worker per open connection, at most
+``max_connections``, all joined by ``TcpDataServer.stop`` before it returns, so none can touch the
 node's arena after the node closes it (``kvpool/transport/tcp.py``)."""
 
 from __future__ import annotations
