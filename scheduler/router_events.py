@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from kvpool.core.events import KVEvent
+from kvpool.core.retry import RetryPolicy
 from kvpool.core.spec import KVSpec
 from kvpool.scheduler.router_core import RouterCore
 
@@ -87,16 +88,16 @@ class EventFollower:
             self._thread.join(timeout=5)
 
     def run(self) -> None:
-        delay = self.retry_s
+        backoff = RetryPolicy(self.retry_s * 1000, self.max_retry_s * 1000).backoff()
         while not self._stop.is_set():
             try:
                 self.follow_once()
-                delay = self.retry_s
+                backoff.reset()
             except Exception as exc:  # keep following: the pool may restart
                 self.errors += 1
-                log.warning("event follower: %s; retrying in %.1f s", exc, delay)
-                self._stop.wait(delay)
-                delay = min(self.max_retry_s, delay * 2)
+                delay_s = backoff.next_delay_s()
+                log.warning("event follower: %s; retrying in %.1f s", exc, delay_s)
+                self._stop.wait(delay_s)
 
     def follow_once(self) -> None:
         """One snapshot + stream, until a gap, the stream's end or stop."""

@@ -76,7 +76,7 @@ def open_admin(args: argparse.Namespace, address: str) -> PoolAdmin:
     """A PoolAdmin with the token and CA from the flags, else the environment (read only
     here, in the CLI's composition root)."""
     from kvpool.client.admin import PoolAdmin
-    from kvpool.daemon.credentials import read_bounded
+    from kvpool.rpc.credentials import read_bounded
 
     token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
     ca_path = args.tls_ca if args.tls_ca is not None else os.environ.get("KVPOOL_TLS_CA", "")

@@ -21,10 +21,7 @@ import argparse
 import json
 import os
 import pathlib
-import signal
 import sys
-import threading
-from types import FrameType
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.core.clock import MonotonicClock
     from kvpool.core.errors import KVPoolError
     from kvpool.core.spec import KVSpec, Namespace
+    from kvpool.core.supervisor import Supervisor
     from kvpool.scheduler.cluster import ClusterSpec, Slo
     from kvpool.scheduler.cost_model import load_cost_model
     from kvpool.scheduler.policies import make_policy
@@ -93,22 +91,20 @@ def run(args: argparse.Namespace) -> int:
     except (KVPoolError, OSError, ValueError) as exc:
         print(f"kvpool router: {exc}", file=sys.stderr)
         return 2
+    supervisor = Supervisor()  # owns the event follower's thread; SIGTERM/SIGINT stop it
+    supervisor.install_stop_signals()
     server.start()
     if follower is not None:
-        follower.start()
+        supervisor.spawn("router-events", follower.run)
     print(
         f"kvpool router: grpc {server.grpc_address}" + (f", http {server.http_address}" if server.http_address else ""),
         flush=True,
     )
-    done = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    done.wait()
+    failed = supervisor.wait_for_stop()
     if follower is not None:
-        follower.stop()
+        follower.stop()  # ends its stream: run() returns and the supervisor joins it
+    supervisor.stop()
     server.stop()
+    if failed:
+        return 1
     return 0

@@ -51,8 +51,9 @@ from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hel
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
 from kvpool.core.hashing import block_hashes, pack_hashes
+from kvpool.core.retry import RetryPolicy
 from kvpool.core.spec import KVSpec, Namespace
-from kvpool.directory.etcd import EtcdClient
+from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
 from kvpool.proto import directory_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata
@@ -66,8 +67,9 @@ log = logging.getLogger("kvpool.cluster_client")
 MAX_PARALLEL_PEERS = 8
 DEFAULT_FAILOVER_WAIT_MS = 5_000  # > the directory's default election TTL (2 s) + a node heartbeat
 FAILOVER_PROBE_MS = 100  # while the directory is down, reads ask it at most this often
-PLACE_RETRY_FIRST_MS = 25  # a waiting put retries Place after this, doubling...
-PLACE_RETRY_MAX_MS = 250  # ...up to this
+#: a put waiting out a failover retries Place after 25 ms, doubling up to 250 ms (until
+#: ``failover_wait_ms``)
+PLACE_RETRY = RetryPolicy(first_delay_ms=25, max_delay_ms=250)
 
 
 class DirectoryFailover(Unavailable):
@@ -169,7 +171,8 @@ class ClusterClient:
         given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long
         this call, puts and management calls wait for a directory leader during a failover."""
         namespace = Namespace(spec, salt, adapter)
-        link = DirectoryLink(directory, EtcdClient(list(etcd)) if etcd else None, cluster, timeout_s, token=token)
+        session = EtcdSession(etcd).start() if etcd else None
+        link = DirectoryLink(directory, session, cluster, timeout_s, token=token, owns_etcd=True)
         local_client: PoolClient | None = None
         made: ClusterClient | None = None
         try:
@@ -280,7 +283,7 @@ class ClusterClient:
         through here; reads do not wait (they are misses meanwhile). ``place``: a NotFound
         from a new leader that has no node yet is part of the failover too."""
         started = self._clock.now_ms()
-        pause_ms = float(PLACE_RETRY_FIRST_MS)
+        backoff = PLACE_RETRY.backoff()
         last: KVPoolError | None = None
         waited = False
         while True:
@@ -300,8 +303,7 @@ class ClusterClient:
                 with self._lock:
                     self.counters["failover_put_waits" if place else "failover_call_waits"] += 1
                 log.info("directory did not answer %s (%s); waiting up to %d ms", name, last, self.failover_wait_ms)
-            self._sleep(min(pause_ms, self.failover_wait_ms - elapsed_ms) / 1000)
-            pause_ms = min(pause_ms * 2, PLACE_RETRY_MAX_MS)
+            self._sleep(min(backoff.next_delay_s(), (self.failover_wait_ms - elapsed_ms) / 1000))
 
     def locate(
         self, hashes: Sequence[bytes], lease_ms: int = 0, for_read: bool = False

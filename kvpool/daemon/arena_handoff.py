@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from kvpool.core.auth import ANONYMOUS, Credentials
 from kvpool.core.errors import InvalidArgument
-from kvpool.daemon.supervisor import Supervisor
+from kvpool.core.supervisor import Supervisor
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.arena import SharedArena, _pid_alive
 from kvpool.transport.arena_handoff import MAX_REASON_BYTES, MAX_REQUEST_BYTES, unpack_request

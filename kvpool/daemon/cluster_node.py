@@ -25,20 +25,24 @@ from kvpool.core.errors import InvalidArgument, KVPoolError, LeaseExpired
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import block_keys
-from kvpool.daemon.credentials import load_token
+from kvpool.core.retry import RetryPolicy
+from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.node import PoolNode
-from kvpool.daemon.supervisor import Supervisor
-from kvpool.directory.etcd import EtcdClient, Membership
+from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
+from kvpool.directory.membership import Membership
 from kvpool.directory.state import TIER_CODES
 from kvpool.proto import directory_pb2
+from kvpool.rpc.credentials import load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
 
 log = logging.getLogger("kvpool.cluster")
 
 MAX_EVENTS_PER_HEARTBEAT = 512
-RETRY_DELAY_S = 0.5
+#: the directory unreachable or refusing: register again after this (constant: a node
+#: should rejoin a new leader within one wait)
+DIRECTORY_RETRY = RetryPolicy(first_delay_ms=500, max_delay_ms=500)
 
 
 class NodeBlockStore:
@@ -122,7 +126,7 @@ class ClusterAgent:
         self.incarnation = (time.time_ns() ^ (os.getpid() << 20)) & ((1 << 63) - 1)
         self.host = self.cluster.host or socket.gethostname()
         self.data_server: DataServer | None = None
-        self.etcd = EtcdClient(list(self.cluster.etcd_list)) if self.cluster.etcd_list else None
+        self.etcd = EtcdSession(self.cluster.etcd_list) if self.cluster.etcd_list else None
         self.membership: Membership | None = None
         self.link: DirectoryLink | None = None
         self.registered = False
@@ -163,9 +167,10 @@ class ClusterAgent:
             self.membership = Membership(
                 self.etcd, self.cluster.cluster, self.node.node_id, self._info(), self.cluster.liveness_ttl_s
             )
-            self.membership.tick()
-            period_ms = max(100, self.cluster.liveness_ttl_s * 1000 // 3)
-            self.supervisor.every("etcd-liveness", period_ms, self.membership.tick)
+            self.etcd.start()
+            # join before registering with the directory: it drops a registered node it
+            # cannot see in etcd (``MemberWatch``)
+            self.membership.start(self.supervisor.fail, first_round_s=self.etcd.timeout_s * 2)
         if self.cluster.directory_list or self.etcd is not None:
             self.link = DirectoryLink(
                 self.cluster.directory_list, self.etcd, self.cluster.cluster, token=load_token(self.cluster.token_file)
@@ -252,12 +257,12 @@ class ClusterAgent:
 
     def _sync_loop(self) -> None:
         wait_s = self.cluster.heartbeat_interval_ms / 1000.0
-        complained = False
+        backoff = DIRECTORY_RETRY.backoff()
         while not self.supervisor.stopping.is_set():
             try:
                 if not self.registered:
                     self.register()
-                    complained = False
+                    backoff.reset()
                 events = self.node.events.read_from(self._next_seq, wait_s=wait_s)[:MAX_EVENTS_PER_HEARTBEAT]
                 if self.supervisor.stopping.is_set():
                     return
@@ -265,13 +270,12 @@ class ClusterAgent:
                     log.info("node %s: directory asked for a resync", self.node.node_id)
                     self.registered = False
             except KVPoolError as err:
-                if not complained:
+                if backoff.retries == 0:  # once per outage
                     log.warning("node %s: directory unreachable or refused (%s); retrying", self.node.node_id, err)
-                    complained = True
                 self.registered = False
                 if self.link is not None:
                     self.link.close()
-                self.supervisor.stopping.wait(RETRY_DELAY_S)
+                self.supervisor.stopping.wait(backoff.next_delay_s())
 
     def stop(self) -> None:
         if self.membership is not None:
@@ -280,3 +284,5 @@ class ClusterAgent:
             self.data_server.stop()
         if self.link is not None:
             self.link.close()
+        if self.etcd is not None:
+            self.etcd.close()

@@ -66,10 +66,16 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass(frozen=True)
 class Option:
+    """One daemon option. ``help`` says what it does, never its default: the default is
+    read from ``DaemonConfig`` (``default_help``), so it is written once, in core/config.py.
+    ``default_means`` says what an empty or off default does, or qualifies a value
+    ("no quota")."""
+
     flag: str
     path: str  # dotted path in DaemonConfig
     parse: Callable[[Any], Any]
     help: str
+    default_means: str = ""
 
     @property
     def env(self) -> str:
@@ -85,147 +91,146 @@ OPTIONS: list[Option] = [
         "--listen",
         "listen",
         str,
-        "gRPC control-plane address, HOST:PORT (keep it on 127.0.0.1 unless "
-        "the host is firewalled). Default 127.0.0.1:7450.",
+        "gRPC control-plane address, HOST:PORT (keep it on 127.0.0.1 unless the host is firewalled).",
     ),
-    Option("--node-id", "node_id", str, "name of this node in events and stats. Default: the listen address."),
+    Option("--node-id", "node_id", str, "name of this node in events and stats.", default_means="the listen address"),
     Option(
         "--arena-dir",
         "arena_dir",
         str,
-        "directory of the shared-memory arena file; must be tmpfs "
-        "(e.g. /dev/shm) so same-host clients map it. Default /dev/shm.",
+        "directory of the shared-memory arena file; must be tmpfs (e.g. /dev/shm) so same-host clients map it.",
     ),
     Option(
         "--capacity-bytes",
         "store.capacity_bytes",
         parse_bytes,
-        "host-tier capacity (arena size), e.g. 8GiB. Default 2GiB. Must fit in available memory and in "
+        "host-tier capacity (arena size), e.g. 8GiB. Must fit in available memory and in "
         "the free space of --arena-dir (else the daemon refuses to start); reserved in full at start.",
     ),
     Option(
         "--slab-bytes",
         "store.slab_bytes",
         parse_bytes,
-        "slab size of the allocator; must hold one block. Default 16MiB.",
+        "slab size of the allocator; must hold one block.",
     ),
     Option(
         "--high-watermark",
         "store.high_watermark",
         float,
-        "evict when a put would take usage above this fraction of capacity. Default 0.95.",
+        "evict when a put would take usage above this fraction of capacity.",
     ),
-    Option("--low-watermark", "store.low_watermark", float, "...evicting down to this fraction. Default 0.85."),
+    Option("--low-watermark", "store.low_watermark", float, "...evicting down to this fraction."),
     Option(
         "--lease-ttl-ms",
         "store.lease_ttl_ms",
         int,
-        "a read lease not released within this many ms is dropped (its blocks become evictable again). Default 10000.",
+        "a read lease not released within this many ms is dropped (its blocks become evictable again).",
     ),
     Option(
         "--put-ttl-ms",
         "store.put_ttl_ms",
         int,
-        "a put not committed within this many ms is reclaimed (its writer is presumed dead). Default 30000.",
+        "a put not committed within this many ms is reclaimed (its writer is presumed dead).",
     ),
-    Option("--max-batch-blocks", "store.max_batch_blocks", int, "most blocks one call may name. Default 65536."),
-    Option("--max-leases", "store.max_leases", int, "most read leases held at once. Default 100000."),
-    Option("--max-pending-puts", "store.max_pending_puts", int, "most puts in flight at once. Default 10000."),
+    Option("--max-batch-blocks", "store.max_batch_blocks", int, "most blocks one call may name."),
+    Option("--max-leases", "store.max_leases", int, "most read leases held at once."),
+    Option("--max-pending-puts", "store.max_pending_puts", int, "most puts in flight at once."),
     Option(
         "--allow-overcommit",
         "store.allow_overcommit",
         parse_switch,
         "start even when --capacity-bytes exceeds the memory available (MemAvailable) or the free "
         "space of --arena-dir: logs a warning and leaves the arena unreserved, so clients may die with "
-        "SIGBUS when the machine runs out. A switch (no value); env/TOML take true/false. Default: refuse to start.",
+        "SIGBUS when the machine runs out. A switch (no value); env/TOML take true/false.",
+        default_means="refuse to start",
     ),
-    Option("--host-policy", "tiers.host_policy", str, "eviction policy of the host tier. Default lru."),
+    Option("--host-policy", "tiers.host_policy", str, "eviction policy of the host tier."),
     Option(
         "--disk-dir",
         "tiers.disk_dir",
         str,
-        "directory of the disk tier's slab files (NVMe); empty = no disk tier. Default empty.",
+        "directory of the disk tier's slab files (NVMe); empty = no disk tier.",
     ),
-    Option("--disk-capacity-bytes", "tiers.disk_capacity_bytes", parse_bytes, "disk tier capacity. Default 16GiB."),
+    Option("--disk-capacity-bytes", "tiers.disk_capacity_bytes", parse_bytes, "disk tier capacity."),
     Option(
         "--disk-slab-file-bytes",
         "tiers.disk_slab_file_bytes",
         parse_bytes,
-        "size of each preallocated slab file. Default 1GiB.",
+        "size of each preallocated slab file.",
     ),
-    Option("--disk-policy", "tiers.disk_policy", str, "eviction policy of the disk tier. Default lru."),
+    Option("--disk-policy", "tiers.disk_policy", str, "eviction policy of the disk tier."),
     Option(
         "--disk-high-watermark",
         "tiers.disk_high_watermark",
         float,
-        "a disk write that would take usage above this fraction of the disk capacity first evicts. Default 0.95.",
+        "a disk write that would take usage above this fraction of the disk capacity first evicts.",
     ),
     Option(
         "--disk-low-watermark",
         "tiers.disk_low_watermark",
         float,
-        "...evicting down to this fraction (by --disk-policy). Default 0.85.",
+        "...evicting down to this fraction (by --disk-policy).",
     ),
     Option(
         "--disk-admission",
         "tiers.disk_admission",
         str,
-        "'all' or 'second-hit' (skip one-hit blocks on disk). Default all.",
+        "'all' or 'second-hit' (skip one-hit blocks on disk).",
     ),
-    Option("--disk-io-threads", "tiers.disk_io_threads", int, "threads doing disk I/O. Default 4."),
+    Option("--disk-io-threads", "tiers.disk_io_threads", int, "threads doing disk I/O."),
     Option(
         "--write-behind-queue-blocks",
         "tiers.write_behind_queue_blocks",
         int,
-        "bound of the host->disk write-behind queue, in blocks. Default 1024.",
+        "bound of the host->disk write-behind queue, in blocks.",
     ),
     Option(
         "--shutdown-flush-ms",
         "tiers.shutdown_flush_ms",
         int,
-        "on SIGTERM, write the host blocks the disk tier lacks to it for at most this long (0: off). Default 10000.",
+        "on SIGTERM, write the host blocks the disk tier lacks to it for at most this long (0: off).",
     ),
     Option(
         "--device-capacity-bytes",
         "tiers.device_capacity_bytes",
         parse_bytes,
-        "device (HBM) tier capacity; 0 = none. Default 0.",
+        "device (HBM) tier capacity; 0 = none.",
     ),
     Option(
         "--device-high-watermark",
         "tiers.device_high_watermark",
         float,
-        "a copy to HBM that would take usage above this fraction of the device capacity first evicts. Default 0.95.",
+        "a copy to HBM that would take usage above this fraction of the device capacity first evicts.",
     ),
     Option(
         "--device-low-watermark",
         "tiers.device_low_watermark",
         float,
-        "...evicting (demoting) down to this fraction. Default 0.85.",
+        "...evicting (demoting) down to this fraction.",
     ),
-    Option("--grpc-workers", "grpc_workers", int, "threads serving control-plane calls. Default 8."),
-    Option("--max-message-bytes", "max_message_bytes", parse_bytes, "largest gRPC message. Default 64MiB."),
+    Option("--grpc-workers", "grpc_workers", int, "threads serving control-plane calls."),
+    Option("--max-message-bytes", "max_message_bytes", parse_bytes, "largest gRPC message."),
     Option(
         "--sweep-interval-ms",
         "sweep_interval_ms",
         int,
-        "how often expired leases and dead puts are reclaimed. Default 500.",
+        "how often expired leases and dead puts are reclaimed.",
     ),
-    Option("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR. Default INFO."),
+    Option("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR."),
     Option(
         "--namespace-quota-bytes",
         "store.namespace_quota_bytes",
         parse_bytes,
         "most host-tier bytes one namespace may hold, e.g. 1GiB; a put past it evicts that "
-        "namespace's own least recently used blocks first. Default 0 (no quota).",
+        "namespace's own least recently used blocks first.",
+        default_means="no quota",
     ),
     Option(
         "--admin-views",
         "admin_views",
         str,
         "all-namespace views (Snapshot/Events of every tenant, the Stats namespace list): "
-        "'loopback' (served only on a loopback --listen), 'on' or 'off'. Default loopback. "
-        "See docs/security.md.",
+        "'loopback' (served only on a loopback --listen), 'on' or 'off'. See docs/security.md.",
     ),
     Option(
         "--credentials",
@@ -233,107 +238,144 @@ OPTIONS: list[Option] = [
         str,
         "credentials file (JSON, or TOML if it ends in .toml): tenants' and admins' token sha256s, "
         "the namespace digests each tenant may use, the cluster token's sha256. Every call then needs "
-        "'authorization: Bearer TOKEN'. Default: none (allowed only on a loopback --listen). See docs/security.md.",
+        "'authorization: Bearer TOKEN'. See docs/security.md.",
+        default_means="none (allowed only on a loopback --listen)",
     ),
     Option(
         "--tls-cert-file",
         "tls_cert_file",
         str,
-        "PEM certificate chain for TLS on the control-plane listener. Default: none (plaintext).",
+        "PEM certificate chain for TLS on the control-plane listener.",
+        default_means="none (plaintext)",
     ),
-    Option("--tls-key-file", "tls_key_file", str, "PEM private key of --tls-cert-file. Default: none."),
+    Option("--tls-key-file", "tls_key_file", str, "PEM private key of --tls-cert-file.", default_means="none"),
     Option(
         "--arena-handoff",
         "arena_handoff",
         str,
         "how same-host clients get the arena: 'file' (a 0600 file in --arena-dir, opened by path), "
         "'fd' (an anonymous memfd handed over a Unix socket after the token, read-only unless the "
-        "client holds a put), 'auto' (fd when --credentials is set). Default auto.",
+        "client holds a put), 'auto' (fd when --credentials is set).",
     ),
     Option(
         "--insecure",
         "insecure",
         parse_switch,
         "allow a non-loopback --listen / --data-listen without credentials and TLS (a trusted, "
-        "firewalled network only). Default off.",
+        "firewalled network only).",
+        default_means="off",
     ),
     Option(
         "--max-namespaces",
         "max_namespaces",
         int,
-        "namespaces registered at once; when full, namespaces without blocks are retired, "
-        "least recently used first. Default 4096.",
+        "namespaces registered at once; when full, namespaces without blocks are retired, least recently used first.",
     ),
     Option(
         "--namespace-idle-ms",
         "namespace_idle_ms",
         int,
-        "a namespace with no stored block and no call for this long is retired. Default 600000.",
+        "a namespace with no stored block and no call for this long is retired.",
     ),
     Option(
         "--directory",
         "cluster.directory",
         str,
         "cluster mode: comma-separated directory addresses "
-        "(HOST:PORT,...); the node registers with the leader and streams its KV events. Default: none.",
+        "(HOST:PORT,...); the node registers with the leader and streams its KV events.",
+        default_means="none",
     ),
     Option(
         "--etcd",
         "cluster.etcd",
         str,
         "cluster mode: comma-separated etcd endpoints; the node keeps a "
-        "liveness lease there and finds the directory leader through it. Default: none.",
+        "liveness lease there and finds the directory leader through it.",
+        default_means="none",
     ),
-    Option("--cluster", "cluster.cluster", str, "cluster name (etcd key prefix). Default 'default'."),
+    Option("--cluster", "cluster.cluster", str, "cluster name (etcd key prefix)."),
     Option(
         "--data-listen",
         "cluster.data_listen",
         str,
-        "data-plane address peers read blocks from, HOST:PORT. "
-        "Default: 127.0.0.1 on a free port when --directory/--etcd is set, else no data plane.",
+        "data-plane address peers read blocks from, HOST:PORT.",
+        default_means="127.0.0.1 on a free port when --directory/--etcd is set, else no data plane",
     ),
     Option(
         "--cluster-token-file",
         "cluster.token_file",
         str,
         "file holding the cluster token this node presents to a directory with credentials "
-        "(its sha256 is [cluster] token_sha256 there). Default: none.",
+        "(its sha256 is [cluster] token_sha256 there).",
+        default_means="none",
     ),
-    Option(
-        "--transport",
-        "cluster.transport",
-        str,
-        "data plane between nodes: tcp, ucx or nixl (docs/cluster.md). Default tcp.",
-    ),
+    Option("--transport", "cluster.transport", str, "data plane between nodes: tcp, ucx or nixl (docs/cluster.md)."),
     Option(
         "--host-name",
         "cluster.host",
         str,
-        "host name used to decide same-host (shared-memory) access. Default: the machine's host name.",
+        "host name used to decide same-host (shared-memory) access.",
+        default_means="the machine's host name",
     ),
     Option(
         "--heartbeat-interval-ms",
         "cluster.heartbeat_interval_ms",
         int,
-        "heartbeat period to the directory. Default 500.",
+        "heartbeat period to the directory.",
     ),
-    Option("--liveness-ttl-s", "cluster.liveness_ttl_s", int, "etcd lease TTL of the node's liveness key. Default 3."),
+    Option("--liveness-ttl-s", "cluster.liveness_ttl_s", int, "etcd lease TTL of the node's liveness key."),
     Option(
         "--kv-events-endpoint",
         "cluster.kv_events_endpoint",
         str,
-        "publish KV events in vLLM's format "
-        "(msgpack over ZMQ PUB) on this endpoint, e.g. tcp://127.0.0.1:5557. Default: off.",
+        "publish KV events in vLLM's format (msgpack over ZMQ PUB) on this endpoint, e.g. tcp://127.0.0.1:5557.",
+        default_means="off",
     ),
-    Option("--kv-events-topic", "cluster.kv_events_topic", str, "ZMQ topic of those events. Default empty."),
+    Option("--kv-events-topic", "cluster.kv_events_topic", str, "ZMQ topic of those events."),
     Option(
         "--kv-events-replay-endpoint",
         "cluster.kv_events_replay_endpoint",
         str,
-        "ZMQ ROUTER endpoint "
-        "that replays buffered event batches to subscribers that saw a gap (vLLM's protocol). Default: off.",
+        "ZMQ ROUTER endpoint that replays buffered event batches to subscribers that saw a gap (vLLM's protocol).",
+        default_means="off",
     ),
 ]
+
+
+def config_default(path: str, config: DaemonConfig | None = None) -> Any:
+    """The value at a dotted ``DaemonConfig`` path (``store.capacity_bytes``)."""
+    value: Any = config if config is not None else DaemonConfig()
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def format_bytes(nbytes: int) -> str:
+    """4096 -> '4KiB', 2147483648 -> '2GiB'; a size no binary unit divides stays in bytes."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+def default_help(opt: Option) -> str:
+    """'Default 2GiB.', 'Default: none.', 'Default 0 (no quota).', from ``DaemonConfig``."""
+    value = config_default(opt.path)
+    if opt.default_means and (value is False or value is None or value == ""):
+        return f"Default: {opt.default_means}."
+    if isinstance(value, bool):
+        shown = "on" if value else "off"
+    elif opt.parse is parse_bytes:
+        shown = format_bytes(int(value))
+    elif value == "":
+        shown = "empty"
+    else:
+        shown = str(value)
+    return f"Default {shown} ({opt.default_means})." if opt.default_means else f"Default {shown}."
+
+
+def option_help(opt: Option) -> str:
+    return f"{opt.help} {default_help(opt)} (env: {opt.env})"
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
@@ -351,12 +393,10 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
                 default=None,
                 action="store_const",
                 const=True,
-                help=f"{opt.help} (env: {opt.env})",
+                help=option_help(opt),
             )
             continue
-        parser.add_argument(
-            opt.flag, dest=opt.dest, default=None, metavar=_metavar(opt), help=f"{opt.help} (env: {opt.env})"
-        )
+        parser.add_argument(opt.flag, dest=opt.dest, default=None, metavar=_metavar(opt), help=option_help(opt))
 
 
 def _metavar(opt: Option) -> str:

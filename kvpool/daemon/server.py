@@ -19,13 +19,13 @@ import grpc
 from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import Unavailable
+from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.arena_handoff import ArenaHandoff
-from kvpool.daemon.credentials import load_credentials, load_tls
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
-from kvpool.daemon.supervisor import Supervisor
 from kvpool.proto import pool_pb2
 from kvpool.rpc.codec import server_options
+from kvpool.rpc.credentials import load_credentials, load_tls
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.server")

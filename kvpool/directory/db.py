@@ -3,15 +3,11 @@ writes and a restarted directory loads (docs/cluster.md)."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool.core.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from kvpool.directory.state import NodeRecord
+from kvpool.directory.index import NodeRecord
 
 
 class DirectoryDB:
@@ -19,26 +15,23 @@ class DirectoryDB:
     namespaces and the epoch counter. Written by ``DirectoryState.flush``.
 
     A node is two rows, ``node/<id>`` (JSON, with its last applied seq) and ``keys/<id>`` (its
-    blocks), written by two puts: a crash between them must not pair a new seq with an old
-    key list (the node's stream would then continue with no resync and the directory would
-    offer blocks the node removed). So every ``put_node`` stamps both rows with the same
-    write stamp, unique over the database's life (the open count and a per-open write
-    counter); ``nodes`` returns ``None`` as the key list of a node whose stamps differ, and
-    the directory drops that node's blocks and asks it to resync.
+    blocks), always written (and deleted) together in one RocksDB write batch: a crash can
+    never pair a new seq with an old key list (the node's stream would then continue with no
+    resync and the directory would offer blocks the node removed). A key list that cannot
+    be read (a row of an older format, or damaged) reads as ``None``: the directory drops
+    that node's blocks and asks it to resync.
     """
 
-    # KVK2: the key list says its key length (the service's keys are namespace || hash, 32
-    # bytes); a KVK1 row (16-byte hashes without their namespace) reads as unknown: resync
-    _KEYS_MAGIC = b"KVK2"
-    _STAMP_BYTES = 16
+    # KVK3: the key list says its key length (the service's keys are namespace || hash, 32
+    # bytes) and is written in one batch with its node row; KVK1 (16-byte hashes without their
+    # namespace) and KVK2 (two puts, paired by write stamps) rows read as unknown: resync
+    _KEYS_MAGIC = b"KVK3"
 
     def __init__(self, path: str) -> None:
         from rocksdict import Rdict
 
         self.path = path
         self._db: Any = Rdict(path)
-        self._open_no = self._bump(b"meta/opens")  # first part of every write stamp
-        self._writes = itertools.count(1)
 
     def _bump(self, counter: bytes) -> int:
         value = int(self._db.get(counter, b"0")) + 1
@@ -48,22 +41,27 @@ class DirectoryDB:
     def next_epoch(self) -> int:
         return self._bump(b"meta/epoch")
 
+    @staticmethod
+    def _batch() -> Any:
+        from rocksdict import WriteBatch
+
+        return WriteBatch()
+
     def put_node(self, public: dict[str, object], keys: dict[bytes, int]) -> None:
         node_id = str(public["node_id"]).encode()
-        stamp = struct.pack(">QQ", self._open_no, next(self._writes))
-        self._db[b"node/" + node_id] = json.dumps({**public, "keys_stamp": stamp.hex()}).encode()
         key_len = len(next(iter(keys), b"\0" * 32))
         if any(len(k) != key_len for k in keys) or not 0 < key_len < 256:
             raise InvalidArgument(f"node {node_id!r}: block keys of mixed or unsupported lengths")
-        body = bytes([key_len]) + b"".join(keys) + bytes(keys.values())
-        self._db[b"keys/" + node_id] = self._KEYS_MAGIC + stamp + body
+        batch = self._batch()
+        batch.put(b"node/" + node_id, json.dumps(public).encode())
+        batch.put(b"keys/" + node_id, self._KEYS_MAGIC + bytes([key_len]) + b"".join(keys) + bytes(keys.values()))
+        self._db.write(batch)
 
     def delete_node(self, node_id: str) -> None:
+        batch = self._batch()
         for prefix in (b"node/", b"keys/"):
-            try:
-                del self._db[prefix + node_id.encode()]
-            except KeyError:
-                pass
+            batch.delete(prefix + node_id.encode())
+        self._db.write(batch)
 
     def put_namespaces(self, namespaces: dict[bytes, bytes]) -> None:
         self._db[b"meta/namespaces"] = b"".join(ns + digest for ns, digest in namespaces.items())
@@ -74,24 +72,20 @@ class DirectoryDB:
 
     def nodes(self) -> list[tuple[NodeRecord, dict[bytes, int] | None]]:
         """Every stored node with its blocks (hash -> tier code); ``None`` for the blocks of a
-        node whose key list is missing or does not carry its row's write stamp."""
-        from kvpool.directory.state import NodeRecord  # the state module imports this one
-
+        node whose key list is missing or unreadable."""
         out: list[tuple[NodeRecord, dict[bytes, int] | None]] = []
         for key, value in self._db.items(from_key=b"node/"):
             if not key.startswith(b"node/"):
                 break
             public = json.loads(value)
             record = NodeRecord(**{k: public[k] for k in public if k in NodeRecord.__dataclass_fields__})
-            out.append((record, self._keys(key[5:], str(public.get("keys_stamp", "")))))
+            out.append((record, self._keys(key[5:])))
         return out
 
-    def _keys(self, node_id: bytes, stamp_hex: str) -> dict[bytes, int] | None:
+    def _keys(self, node_id: bytes) -> dict[bytes, int] | None:
         raw = self._db.get(b"keys/" + node_id, b"")
-        head = len(self._KEYS_MAGIC) + self._STAMP_BYTES
-        if not raw.startswith(self._KEYS_MAGIC) or raw[len(self._KEYS_MAGIC) : head].hex() != stamp_hex:
-            return None  # torn write, or a row from before stamps: unknown
-        if len(raw) <= head:
+        head = len(self._KEYS_MAGIC)
+        if not raw.startswith(self._KEYS_MAGIC) or len(raw) <= head:
             return None
         key_len, body = raw[head], raw[head + 1 :]
         if not key_len or len(body) % (key_len + 1):

@@ -1,134 +1,38 @@
-"""etcd through its v3 JSON gateway (plain HTTP on the client URL, stdlib only): leases,
-put/get/delete, a create-if-absent transaction, and the two patterns built on them.
+"""etcd v3 through the ``aetcd`` client (gRPC), behind a small synchronous facade.
 
-- ``LeaderElection``: the directory instances race to create one key bound to a lease;
-  the winner is the leader and keeps its lease alive; a standby retries until the key
-  disappears (leader died: its lease expired) and takes over.
-- ``Membership``: each node keeps ``<prefix>/nodes/<id>`` alive under its own lease; the
-  directory treats a node whose key is gone as dead.
+``EtcdSession`` owns one ``aetcd.Client`` and the one asyncio loop it runs on, in one
+thread named ``kvpool-etcd`` that ``close`` joins. Callers on other threads use the
+blocking helpers (``get``, ``get_prefix``, ``put``); the long-lived roles built on it —
+leader election (``election.py``), node membership and the directory's watch of it
+(``membership.py``) — run as tasks on that loop, so one process has one etcd connection
+whatever it does with etcd.
 
-Synchronous and small on purpose: the callers run it from supervisor threads. Every
-failure to reach etcd is ``Unavailable`` naming the endpoints, so the caller can keep
-serving and say what it cannot do (elect, admit, notice deaths).
+Every failure to reach etcd (refused, timed out, cut mid-call) is ``Unavailable`` naming
+the endpoints, so a caller can keep serving and say what it cannot do. With several
+endpoints the session moves to the next one when a call fails.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions
 
 from kvpool.core.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("kvpool.etcd")
 
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    end = bytearray(prefix)
-    for i in range(len(end) - 1, -1, -1):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"
-
-
-class EtcdClient:
-    """A minimal etcd v3 client over the JSON gateway of one or more endpoints."""
-
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0) -> None:
-        if not endpoints:
-            raise InvalidArgument("no etcd endpoint given", hint="e.g. --etcd 127.0.0.1:2379")
-        self.endpoints = [e if e.startswith("http") else f"http://{e}" for e in endpoints]
-        self.timeout_s = timeout_s
-        self._preferred = 0
-        self._lock = threading.Lock()
-
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        data = json.dumps(body).encode()
-        errors: list[str] = []
-        for i in range(len(self.endpoints)):
-            index = (self._preferred + i) % len(self.endpoints)
-            url = self.endpoints[index] + path
-            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                    self._preferred = index
-                    result: dict[str, Any] = json.loads(reply.read() or b"{}")
-                    return result
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode("utf-8", "replace")
-                raise EtcdError(f"etcd {path} failed: {exc.code} {detail}") from exc
-            except (urllib.error.URLError, OSError, TimeoutError) as exc:
-                errors.append(f"{url}: {exc}")
-        raise Unavailable(
-            f"etcd is not reachable ({'; '.join(errors)})",
-            hint="start etcd or check --etcd; the cluster cannot elect or notice node deaths meanwhile",
-        )
-
-    # -- leases --------------------------------------------------------------------------
-    def grant(self, ttl_s: int) -> int:
-        return int(self._post("/v3/lease/grant", {"TTL": ttl_s})["ID"])
-
-    def keepalive(self, lease_id: int) -> int:
-        """Refresh a lease; returns its TTL in seconds, 0 if it has expired."""
-        result = self._post("/v3/lease/keepalive", {"ID": lease_id}).get("result", {})
-        return int(result.get("TTL", 0))
-
-    def revoke(self, lease_id: int) -> None:
-        try:
-            self._post("/v3/lease/revoke", {"ID": lease_id})
-        except EtcdError:
-            pass  # already gone
-
-    # -- keys ----------------------------------------------------------------------------
-    def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            body["lease"] = lease
-        self._post("/v3/kv/put", body)
-
-    def get(self, key: bytes) -> bytes | None:
-        kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
-        return _unb64(kvs[0].get("value", "")) if kvs else None
-
-    def get_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
-        reply = self._post("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
-        return {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in reply.get("kvs", [])}
-
-    def delete(self, key: bytes) -> None:
-        self._post("/v3/kv/deleterange", {"key": _b64(key)})
-
-    def create_if_absent(self, key: bytes, value: bytes, lease: int) -> bool:
-        """Atomically create ``key`` unless it exists; True if this call created it."""
-        body = {
-            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value), "lease": lease}}],
-        }
-        return bool(self._post("/v3/kv/txn", body).get("succeeded", False))
-
-    def delete_if_value(self, key: bytes, value: bytes) -> bool:
-        body = {
-            "compare": [{"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)}],
-            "success": [{"request_delete_range": {"key": _b64(key)}}],
-        }
-        return bool(self._post("/v3/kv/txn", body).get("succeeded", False))
-
-
-class EtcdError(Unavailable):
-    """etcd answered with an error status."""
+T = TypeVar("T")
+DEFAULT_TIMEOUT_S = 2.0
+# what a failed or cut call to etcd raises inside aetcd / grpc.aio
+ETCD_ERRORS: tuple[type[BaseException], ...] = (aetcd.exceptions.ClientError, asyncio.TimeoutError, OSError)
 
 
 def leader_key(cluster: str) -> bytes:
@@ -139,56 +43,193 @@ def nodes_prefix(cluster: str) -> bytes:
     return f"/kvpool/{cluster}/nodes/".encode()
 
 
-class LeaderElection:
-    """One directory instance's side of the election. Call ``tick`` every ttl/3 seconds."""
+def _host_port(endpoint: str) -> tuple[str, int]:
+    text = endpoint.removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgument(f"etcd endpoint {endpoint!r} is not HOST:PORT", hint="e.g. --etcd 127.0.0.1:2379")
+    return host, int(port)
 
-    def __init__(self, etcd: EtcdClient, cluster: str, address: str, ttl_s: int = 3) -> None:
-        self.etcd = etcd
-        self.key = leader_key(cluster)
-        self.address = address
-        self.ttl_s = ttl_s
-        self._lease = 0
-        self.is_leader = False
-        self.leader_address = ""
-        self.etcd_ok = True
 
-    def tick(self) -> bool:
-        """Keep or try to take leadership; returns whether this instance leads now. If etcd
-        is unreachable a leader keeps leading (nobody else can be elected meanwhile)."""
-        try:
-            if self.is_leader:
-                if self.etcd.keepalive(self._lease) > 0:
-                    self.etcd_ok = True
-                    return True
-                log.warning("directory %s lost its leader lease: stepping down", self.address)
-                self.is_leader = False
-            if not self._lease or self.etcd.keepalive(self._lease) <= 0:
-                self._lease = self.etcd.grant(self.ttl_s)
-            if self.etcd.create_if_absent(self.key, self.address.encode(), self._lease):
-                self.is_leader = True
-                self.leader_address = self.address
-                log.info("directory %s is now the leader", self.address)
-            else:
-                current = self.etcd.get(self.key)
-                self.leader_address = current.decode() if current else ""
-            self.etcd_ok = True
-        except Unavailable as err:
-            if self.etcd_ok:
-                log.warning("directory %s: %s", self.address, err)
-            self.etcd_ok = False
-        return self.is_leader
+class EtcdSession:
+    """One etcd client on its own loop thread. ``start`` before use, ``close`` to join."""
 
-    def resign(self) -> None:
-        if self.is_leader:
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not endpoints:
+            raise InvalidArgument("no etcd endpoint given", hint="e.g. --etcd 127.0.0.1:2379")
+        self.endpoints = [f"{h}:{p}" for h, p in map(_host_port, endpoints)]
+        self.timeout_s = timeout_s
+        self._preferred = 0
+        self._client: aetcd.Client | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvpool-etcd", daemon=True)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # -- the loop --------------------------------------------------------------------------
+    def start(self) -> EtcdSession:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+        # close: cancel what is left, close the client, then the loop
+        pending = [t for t in self._tasks if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if self._client is not None:
+            with contextlib.suppress(*ETCD_ERRORS):
+                self._loop.run_until_complete(self._client.close())
+        self._loop.close()
+
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, None], on_crash: Callable[[BaseException], None]) -> None:
+        """Run a long-lived role on the loop; ``on_crash`` hears an exception that escapes it
+        (a bug: the roles catch etcd's failures themselves), so its owner can stop loudly."""
+
+        async def guarded() -> None:
             try:
-                self.etcd.delete_if_value(self.key, self.address.encode())
-                self.etcd.revoke(self._lease)
-            except Unavailable:
-                pass
-        self.is_leader = False
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                log.critical("etcd task %r crashed: %s", name, exc, exc_info=True)
+                on_crash(exc)
+
+        def create() -> None:
+            task = self._loop.create_task(guarded(), name=f"kvpool-etcd-{name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._loop.call_soon_threadsafe(create)
+
+    def run(self, make: Callable[[aetcd.Client], Awaitable[T]], timeout_s: float | None = None) -> T:
+        """Run one etcd call from a thread other than the loop's; ``Unavailable`` on failure."""
+        if self.on_loop():
+            raise RuntimeError("EtcdSession.run called on its own loop: await call() instead")
+        if self._closed:
+            raise Unavailable("the etcd session is closed")
+        budget_s = timeout_s or self.timeout_s
+        future = asyncio.run_coroutine_threadsafe(self.call(make, budget_s), self._loop)
+        try:
+            return future.result(budget_s + 1.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise self.unavailable(f"no answer in {budget_s} s") from None
+
+    async def call(self, make: Callable[[aetcd.Client], Awaitable[T]], timeout_s: float | None = None) -> T:
+        """One etcd call on the loop, bounded by ``timeout_s``; a failure moves the session to
+        the next endpoint and is ``Unavailable``."""
+        client: aetcd.Client | None = None
+        try:
+            client = await self._connected()
+            return await asyncio.wait_for(make(client), timeout_s or self.timeout_s)
+        except ETCD_ERRORS as exc:
+            log.debug("etcd call failed: %r", exc)
+            await self._drop_client(client)
+            raise self.unavailable(str(exc) or type(exc).__name__) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our owner cancels us: stop
+            # grpc.aio cancels the calls in flight on a channel another task closed after its
+            # own call failed: a failed call here too, not a reason to stop
+            raise self.unavailable("the connection was closed under this call") from None
+
+    async def revoke(self, lease_id: int) -> None:
+        """Revoke a lease (its keys go with it); one that already expired is not an error."""
+
+        async def revoke(client: aetcd.Client) -> None:
+            try:
+                await client.revoke_lease(lease_id)
+            except aetcd.exceptions.ClientError as exc:
+                if "lease not found" not in str(exc):
+                    raise
+
+        await self.call(revoke)
+
+    def unavailable(self, why: str) -> Unavailable:
+        return Unavailable(
+            f"etcd is not reachable at {','.join(self.endpoints)} ({why})",
+            hint="start etcd or check --etcd; the cluster cannot elect or notice node deaths meanwhile",
+        )
+
+    async def _connected(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = _host_port(self.endpoints[self._preferred])
+            client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)  # type: ignore[arg-type]
+            try:
+                await asyncio.wait_for(client.connect(), self.timeout_s)
+            except ETCD_ERRORS:
+                self._preferred = (self._preferred + 1) % len(self.endpoints)
+                with contextlib.suppress(*ETCD_ERRORS):
+                    await asyncio.wait_for(client.close(), self.timeout_s)
+                raise
+            self._client = client
+        return self._client
+
+    async def _drop_client(self, failed: aetcd.Client | None) -> None:
+        """Close the client a call failed on and move to the next endpoint, unless another
+        task already did (then the current client is a new one: keep it)."""
+        if failed is None or failed is not self._client:
+            return
+        client, self._client = self._client, None
+        self._preferred = (self._preferred + 1) % len(self.endpoints)
+        if client is not None:
+            with contextlib.suppress(*ETCD_ERRORS):
+                await asyncio.wait_for(client.close(), self.timeout_s)
+
+    def close(self) -> None:
+        """Cancel the roles (their ``finally`` blocks run: a leader resigns, a node leaves),
+        close the client and join the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._thread.is_alive():
+            self._loop.close()
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self.timeout_s * 3 + 5.0)
+
+    # -- blocking helpers --------------------------------------------------------------------
+    def get(self, key: bytes) -> bytes | None:
+        reply = self.run(lambda c: c.get(key))
+        return None if reply is None else bytes(reply.value)
+
+    def get_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
+        reply = self.run(lambda c: c.get_prefix(prefix))
+        return {bytes(kv.key): bytes(kv.value) for kv in reply}
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.run(lambda c: c.put(key, value))
+
+    def delete(self, key: bytes) -> None:
+        self.run(lambda c: c.delete(key))
 
 
-def find_leader(etcd: EtcdClient, cluster: str) -> str:
+async def wait_for_change(client: aetcd.Client, key: bytes, start_revision: int, timeout_s: float) -> bool:
+    """Wait (a watch, not a poll) until ``key`` changes at or after ``start_revision``; False
+    when ``timeout_s`` passed first, so the caller re-reads (a watch on a cut connection may
+    never say so)."""
+    watch = await client.watch(key, start_revision=start_revision)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _event in watch:
+                return True
+    except TimeoutError:
+        return False
+    finally:
+        with contextlib.suppress(*ETCD_ERRORS):
+            await asyncio.wait_for(watch.cancel(), 1.0)
+    return False
+
+
+def find_leader(etcd: EtcdSession, cluster: str) -> str:
     value = etcd.get(leader_key(cluster))
     if not value:
         raise Unavailable(
@@ -196,40 +237,3 @@ def find_leader(etcd: EtcdClient, cluster: str) -> str:
             hint="start 'kvpool directory --etcd ...'",
         )
     return value.decode()
-
-
-class Membership:
-    """A node's liveness key under its own etcd lease. Call ``tick`` every ttl/3 seconds."""
-
-    def __init__(self, etcd: EtcdClient, cluster: str, node_id: str, info: dict[str, Any], ttl_s: int = 3) -> None:
-        self.etcd = etcd
-        self.key = nodes_prefix(cluster) + node_id.encode()
-        self.value = json.dumps(info).encode()
-        self.ttl_s = ttl_s
-        self._lease = 0
-        self.etcd_ok = True
-
-    def tick(self) -> None:
-        try:
-            if self._lease and self.etcd.keepalive(self._lease) > 0:
-                self.etcd_ok = True
-                return
-            self._lease = self.etcd.grant(self.ttl_s)
-            self.etcd.put(self.key, self.value, self._lease)
-            self.etcd_ok = True
-        except Unavailable as err:
-            if self.etcd_ok:
-                log.warning("node liveness: %s", err)
-            self.etcd_ok = False
-
-    def leave(self) -> None:
-        try:
-            if self._lease:
-                self.etcd.revoke(self._lease)
-        except Unavailable:
-            pass
-
-
-def live_nodes(etcd: EtcdClient, cluster: str) -> set[str]:
-    prefix = nodes_prefix(cluster)
-    return {key[len(prefix) :].decode() for key in etcd.get_prefix(prefix)}

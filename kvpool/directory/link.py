@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import grpc
 
 from kvpool.core.errors import InvalidArgument, NotLeader, Unavailable
-from kvpool.directory.etcd import EtcdClient, find_leader
+from kvpool.core.retry import RetryPolicy, retry_call
+from kvpool.directory.etcd import EtcdSession, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
 from kvpool.rpc.auth import call_metadata
 from kvpool.rpc.codec import channel_options
@@ -26,23 +27,28 @@ log = logging.getLogger("kvpool.directory.link")
 
 T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 << 20
+#: a standby's NOT_LEADER or a dead leader's UNAVAILABLE: find the leader and call once more
+FAILOVER_REDIRECT = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
 
 
 class DirectoryLink:
     def __init__(
         self,
         addresses: Sequence[str] = (),
-        etcd: EtcdClient | None = None,
+        etcd: EtcdSession | None = None,
         cluster: str = "default",
         timeout_s: float = 5.0,
         token: str = "",
+        owns_etcd: bool = False,
     ) -> None:
         """``token``: sent with every call (a tenant's for a client, the cluster token for
-        a node) to a directory with credentials."""
+        a node) to a directory with credentials. ``owns_etcd``: ``close`` closes ``etcd``
+        too (a client's own session; a node shares its session with its membership)."""
         if not addresses and etcd is None:
             raise InvalidArgument("no directory address and no etcd endpoint", hint="pass --directory or --etcd")
         self.addresses = list(addresses)
         self.etcd = etcd
+        self._owns_etcd = owns_etcd
         self.cluster = cluster
         self.timeout_s = timeout_s
         self._metadata = call_metadata(token)
@@ -97,8 +103,10 @@ class DirectoryLink:
         return address
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        """Call ``Directory.<name>`` on the leader, rediscovering it once on failover."""
-        for attempt in range(2):
+        """Call ``Directory.<name>`` on the leader, rediscovering it once on failover
+        (``FAILOVER_REDIRECT``)."""
+
+        def once() -> Any:
             if self._stub is None:
                 self.discover()
             stub, leader = self._stub, self._leader
@@ -106,14 +114,16 @@ class DirectoryLink:
             try:
                 return getattr(stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc, leader)
-                if attempt == 0 and isinstance(err, NotLeader | Unavailable):
-                    log.info("directory at %s: %s; finding the leader again", leader, err.message)
-                    with self._lock:
-                        self._stub = None
-                    continue
-                raise err from None
-        raise Unavailable("directory call failed after rediscovery")  # unreachable
+                raise from_rpc_error(exc, leader) from None
+
+        def rediscover(err: BaseException) -> None:
+            log.info("directory at %s: %s; finding the leader again", self._leader, err)
+            with self._lock:
+                self._stub = None
+
+        if self._stub is None:
+            self.discover()  # not finding a leader at all is not retried here
+        return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
 
     def close(self) -> None:
         with self._lock:
@@ -121,6 +131,8 @@ class DirectoryLink:
                 self._channel.close()
             self._channel = None
             self._stub = None
+        if self._owns_etcd and self.etcd is not None:
+            self.etcd.close()
 
 
 Call = Callable[..., Any]

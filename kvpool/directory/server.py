@@ -19,13 +19,15 @@ import grpc
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.config import is_loopback_address
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.daemon.credentials import load_credentials, load_token
-from kvpool.daemon.supervisor import Supervisor
-from kvpool.directory.etcd import EtcdClient, LeaderElection, live_nodes
+from kvpool.core.supervisor import Supervisor
+from kvpool.directory.election import LeaderElection
+from kvpool.directory.etcd import EtcdSession
+from kvpool.directory.membership import MemberWatch
 from kvpool.directory.service import DirectoryService
 from kvpool.directory.state import DirectoryDB, DirectoryState
 from kvpool.proto import directory_pb2
 from kvpool.rpc.codec import server_options
+from kvpool.rpc.credentials import load_credentials, load_token
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.directory.server")
@@ -66,13 +68,14 @@ class DirectoryServer:
         self.config = config
         self.supervisor = Supervisor()
         self.db = DirectoryDB(config.data_dir) if config.data_dir else None
-        self.state = DirectoryState(clock or MonotonicClock(), config.node_ttl_ms, self.db)
-        self.etcd = EtcdClient(list(config.etcd)) if config.etcd else None
+        self._clock = clock or MonotonicClock()
+        self.state = DirectoryState(self._clock, config.node_ttl_ms, self.db)
+        self.etcd = EtcdSession(config.etcd) if config.etcd else None
         self.address = config.advertise or config.listen
         self.election = (
             LeaderElection(self.etcd, config.cluster, self.address, config.election_ttl_s) if self.etcd else None
         )
-        self.etcd_nodes_ok = True
+        self.members = MemberWatch(self.etcd, config.cluster, self._clock) if self.etcd else None
         self.service = DirectoryService(
             self.state,
             self.is_leader,
@@ -90,7 +93,9 @@ class DirectoryServer:
         self._stopped = threading.Event()
 
     def is_leader(self) -> bool:
-        return self.election.is_leader if self.election is not None else True
+        """True only while this instance's etcd lease is known to be alive (``election.py``):
+        a leader cut off from etcd stops serving writes before another can be elected."""
+        return self.election.is_leader() if self.election is not None else True
 
     def leader(self) -> str:
         if self.election is None:
@@ -100,12 +105,15 @@ class DirectoryServer:
     def _extra_stats(self) -> dict[str, Any]:
         if self.etcd is None:
             return {"etcd": "not configured (single directory, heartbeat liveness)"}
-        assert self.election is not None
-        if self.election.etcd_ok and self.etcd_nodes_ok:
-            return {"etcd": "ok"}
+        assert self.election is not None and self.members is not None
+        term = {"leader_term": self.election.term}
+        if self.election.etcd_ok and self.members.ok:
+            return {"etcd": "ok", **term}
         return {
-            "etcd": "unreachable: serving from current state; cannot fail over, admit liveness leases, "
-            "or notice node deaths except by heartbeat timeout"
+            "etcd": "unreachable: a leader steps down when its lease cannot be renewed; standbys serve "
+            "lookups from current state and cannot elect, admit liveness leases or notice node deaths "
+            "except by heartbeat timeout",
+            **term,
         }
 
     def start(self) -> None:
@@ -118,10 +126,11 @@ class DirectoryServer:
             raise Unavailable(
                 f"directory cannot listen on {self.config.listen}", hint="pick a free port with --listen 127.0.0.1:PORT"
             )
-        if self.election is not None:
-            self.election.tick()
-            period_ms = max(100, self.config.election_ttl_s * 1000 // 3)
-            self.supervisor.every("election", period_ms, self.election.tick)
+        if self.etcd is not None:
+            assert self.election is not None and self.members is not None
+            self.etcd.start()
+            self.election.start(self.supervisor.fail, first_round_s=self.etcd.timeout_s * 2)
+            self.members.start(self.supervisor.fail)
             self.supervisor.every("etcd-nodes", self.config.expire_interval_ms, self._check_etcd_nodes)
         self._server.start()
         self.supervisor.every("expire", self.config.expire_interval_ms, self._expire)
@@ -135,18 +144,14 @@ class DirectoryServer:
             self.service.flush_removes()
 
     def _check_etcd_nodes(self) -> None:
-        """Drop nodes whose etcd liveness key is gone (their lease expired: SIGKILL, partition)."""
-        if self.etcd is None or not self.is_leader():
+        """Drop nodes whose etcd liveness key is gone (their lease expired: SIGKILL, partition),
+        as the watch of the nodes' keys reports it; only a node registered before its absence
+        was known (a node that registers is already in etcd: it joins first)."""
+        if self.members is None or not self.is_leader():
             return
-        started = self.state._clock.now_ms()
-        try:
-            alive = live_nodes(self.etcd, self.config.cluster)
-        except Unavailable:
-            self.etcd_nodes_ok = False
-            return
-        self.etcd_nodes_ok = True
         for node in self.state.nodes():
-            if node.node_id not in alive and node.confirmed and node.last_registered_ms < started:
+            absent_since_ms = self.members.absent_since_ms(node.node_id)
+            if absent_since_ms > 0 and node.confirmed and node.last_registered_ms < absent_since_ms:
                 self.state.mark_dead(node.node_id, "its etcd liveness lease expired")
 
     def stop(self) -> None:
@@ -156,6 +161,8 @@ class DirectoryServer:
         self.supervisor.stop()
         if self.election is not None:
             self.election.resign()
+        if self.etcd is not None:
+            self.etcd.close()
         self._server.stop(2.0).wait(3.0)
         if self.db is not None:
             self.state.flush()

@@ -41,6 +41,7 @@ from kvpool.core.errors import (
     Unavailable,
     UnknownNamespace,
 )
+from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore, ReadItem, ReadResult, WriteResult
 
@@ -50,6 +51,11 @@ SOCKET_BUFFER_BYTES = 4 << 20
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT_S = 10.0
 MAX_IDLE_PER_PEER = 8
+#: how long ``TcpDataServer.stop`` waits for its connection workers (a UCX one may be in a
+#: transfer with its own deadline)
+STOP_JOIN_S = 10.0
+#: a pooled connection found dead before the reply header: once more, on a fresh one
+DEAD_POOLED_CONNECTION = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -118,6 +124,10 @@ class TcpDataServer:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
+        # one worker thread per open connection (at most max_connections: the accept loop
+        # refuses past that); ``stop`` joins them before it returns, so none touches the store
+        # (the arena) after its owner closes it
+        self._workers: set[threading.Thread] = set()
         self.address = listen
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -141,6 +151,7 @@ class TcpDataServer:
         self._accept_thread.start()
 
     def stop(self) -> None:
+        """Stop accepting, shut every connection down and join the workers serving them."""
         self._stopping.set()
         if self._sock is not None:
             try:
@@ -148,14 +159,23 @@ class TcpDataServer:
             except OSError:
                 pass
             self._sock.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(2.0)  # no connection is added after this
         with self._lock:
             for conn in list(self._conns):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        if self._accept_thread is not None:
-            self._accept_thread.join(2.0)
+        # each worker's recv returns on its shut-down socket and it closes it
+        deadline = time.monotonic() + STOP_JOIN_S
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        late = [w for w in workers if w.is_alive()]
+        if late:
+            log.warning("data plane: %d connection workers still busy %.0f s after stop", len(late), STOP_JOIN_S)
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -172,9 +192,12 @@ class TcpDataServer:
                 self._conns.add(conn)
             _tune(conn)
             conn.settimeout(self._idle_timeout_s)
-            threading.Thread(
+            worker = threading.Thread(
                 target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True, name="kvpool-data-conn"
-            ).start()
+            )
+            with self._lock:
+                self._workers.add(worker)
+            worker.start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         state: dict[str, object] = {}  # per-connection state of subclasses (the UCX endpoint)
@@ -216,6 +239,7 @@ class TcpDataServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._workers.discard(threading.current_thread())
             conn.close()
             self._close_state(state)
 
@@ -458,26 +482,28 @@ class TcpTransport:
         twice is "already present"), so the retry cannot double anything. A timeout is not
         retried: a slow live peer must not get the request twice. The pool's other idle
         connections to that peer are dropped too (a restarted peer killed them all)."""
-        sock, pooled = self._take(peer, deadline)
-        try:
-            send(sock)
-            return (sock, *wire.recv_reply(sock, deadline))
-        except OSError as exc:
-            self._discard(sock)
-            if not pooled or isinstance(exc, TimeoutError):
+        fresh = pooled = False
+
+        def once() -> tuple[socket.socket, int, int, str]:
+            nonlocal pooled
+            sock, pooled = self._take(peer, deadline, fresh=fresh)
+            try:
+                send(sock)
+                return (sock, *wire.recv_reply(sock, deadline))
+            except BaseException:
+                self._discard(sock)
                 raise
+
+        def dead_pooled(exc: BaseException) -> bool:
+            return pooled and isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
+
+        def drop_dead(exc: BaseException) -> None:
+            nonlocal fresh
             log.info("data plane: pooled connection to %s was dead (%s): retrying on a fresh one", peer, exc)
-        except BaseException:
-            self._discard(sock)
-            raise
-        self.drop_peer(peer)
-        sock, _ = self._take(peer, deadline, fresh=True)
-        try:
-            send(sock)
-            return (sock, *wire.recv_reply(sock, deadline))
-        except BaseException:
-            self._discard(sock)
-            raise
+            self.drop_peer(peer)
+            fresh = True
+
+        return retry_call(once, DEAD_POOLED_CONNECTION, dead_pooled, drop_dead)
 
     def _give(self, peer: str, sock: socket.socket) -> None:
         with self._lock:

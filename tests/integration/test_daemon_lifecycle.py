@@ -4,7 +4,6 @@ restart with automatic namespace re-registration, the event stream and snapshot,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -173,7 +172,6 @@ def _take(client: PoolClient, from_seq: int, count: int) -> list[KVEvent]:
     return out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kvpool.cli.inspect") is None, reason="kvpool inspect not built yet")
 def test_inspect_stats_json(pool_daemon: DaemonHandle) -> None:
     with PoolClient.connect(pool_daemon.address, SPEC) as client:
         hashes = client.hashes(TOKENS)
@@ -198,8 +196,6 @@ def test_inspect_stats_json(pool_daemon: DaemonHandle) -> None:
 
 
 def test_inspect_against_a_dead_address_fails_with_a_message() -> None:
-    if importlib.util.find_spec("kvpool.cli.inspect") is None:
-        pytest.skip("kvpool inspect not built yet")
     from conftest import free_port
 
     address = f"127.0.0.1:{free_port()}"

@@ -43,6 +43,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.soft_pinned: dict[int, float] = {}  # id -> pinned until (ms)
         self.abandoned: set[int] = set()  # put started, writer "died" before commit
         self.use_device = False
+        self.asked = self.served = 0  # blocks named by leases / leased, since the last open
         self._open()
 
     def _open(self) -> None:
@@ -90,6 +91,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
             grant = self.store.lease([key(i) for i in ids])
         except CapacityExhausted:
             return
+        self.asked += len(ids)
+        self.served += len(grant.locations)
         held = []
         for i, loc in zip(ids, grant.locations):
             assert loc.size == BLOCK
@@ -175,6 +178,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         if self.store.host.entry(key(i)) is None and (device is None or not device.contains(key(i))):
             failures = disk.stats.checksum_failures
             grant = self.store.lease([key(i)])
+            self.asked += 1
             assert grant.locations == []  # detected, dropped, a miss: never the flipped bytes
             assert disk.stats.checksum_failures == failures + 1
             assert not disk.contains(key(i))
@@ -188,6 +192,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.soft_pinned.clear()
         self.abandoned.clear()
         self.use_device = use_device
+        self.asked = self.served = 0
         self._open()
 
     @invariant()
@@ -222,7 +227,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
     @invariant()
     def stats_add_up(self) -> None:
         s = self.store.summary()
-        assert s["hits"] >= 0 and s["misses"] >= 0
+        assert (s["hits"], s["misses"]) == (self.served, self.asked - self.served)
         host, disk = s["tiers"]["host"], s["tiers"]["disk"]
         assert s["hits"] == host["hits"] + host["lower_hits"] and host["lower_hits"] <= host["promotions"]
         assert s["misses"] == host["misses"] - host["lower_hits"]

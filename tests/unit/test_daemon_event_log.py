@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 from kvpool.core.events import EventKind
+from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.event_log import EventLog
-from kvpool.daemon.supervisor import Supervisor
 
 NS = b"\x01" * 16
 

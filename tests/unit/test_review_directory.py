@@ -1,5 +1,5 @@
 """Review findings on DirectoryState (kvpool/directory/state.py), now regression tests, plus
-the tests of their fixes (capped lookup replies, torn RocksDB flushes, ClusterClient._plan)."""
+the tests of their fixes (capped lookup replies, RocksDB flushes that die, ClusterClient._plan)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvpool.directory.state as state_module
+import kvpool.directory.index as index_module
 from kvpool.core.clock import FakeClock
 from kvpool.core.hashing import HASH_SCHEME, block_hashes
 from kvpool.core.spec import KVSpec, Namespace
@@ -50,45 +50,6 @@ def test_every_hit_names_at_least_one_holder() -> None:
     assert len(result.nodes) <= MAX_HOLDERS_IN_REPLY
     for i in range(result.hits):
         assert result.masks[i] != 0, f"block {i} reported as a hit with no holder in the reply"
-
-
-class _CrashAfterNodeRow:
-    """Wraps the Rdict: the write of a node's key list 'crashes' (the process dies between
-    the two puts of ``DirectoryDB.put_node``)."""
-
-    class Crash(Exception):
-        pass
-
-    def __init__(self, db: object) -> None:
-        self._db = db
-
-    def __setitem__(self, key: bytes, value: bytes) -> None:
-        if key.startswith(b"keys/"):
-            raise self.Crash(key)
-        self._db[key] = value  # type: ignore[index]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._db, name)
-
-
-def test_a_torn_flush_does_not_leave_the_directory_silently_stale(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    clock = FakeClock()
-    db = DirectoryDB(str(tmp_path / "dir"))
-    s = DirectoryState(clock, node_ttl_ms=1000, db=db)
-    s.register(node("a"), HASH_SCHEME, [NS_ROW], KEYS[:6], b"")
-    s.flush()
-    assert s.heartbeat("a", 1, 0, 1 << 30, [EventIn(1, "removed", KEYS[5:6])]) == (False, 1)
-    real = db._db
-    db._db = _CrashAfterNodeRow(real)
-    with pytest.raises(_CrashAfterNodeRow.Crash):
-        s.flush()  # the directory process dies here
-    db._db = real
-    db.close()
-
-    s2 = DirectoryState(clock, node_ttl_ms=1000, db=DirectoryDB(str(tmp_path / "dir")))
-    resync, _ = s2.heartbeat("a", 1, 0, 1 << 30, [EventIn(2, "stored", KEYS[6:7])])
-    stale = not resync and s2.lookup(KEYS[5:6]).hits == 1
-    assert not stale, "directory advertises a removed block and accepted the stream without a resync"
 
 
 # -- capped lookup replies -----------------------------------------------------------------
@@ -148,7 +109,7 @@ def test_capped_replies_cover_every_hit_and_as_long_a_prefix_as_possible(
     names more than the cap, every hit has a real holder in the reply, its tier is the best of
     those holders, and the hit run is the longest any choice of ``cap`` nodes could cover."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(state_module, "MAX_HOLDERS_IN_REPLY", cap)
+        patch.setattr(index_module, "MAX_HOLDERS_IN_REPLY", cap)
         check_capped_reply(cap, blocks, spans)
 
 
@@ -174,49 +135,61 @@ def check_capped_reply(cap: int, blocks: int, spans: list[tuple[int, int, str]])
         assert result.tiers[i] == best
 
 
-# -- torn RocksDB flushes ------------------------------------------------------------------
+# -- RocksDB flushes ------------------------------------------------------------------------
 
 
-def test_a_torn_flush_drops_the_nodes_blocks_until_it_registers_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+class _CrashOnWrite:
+    """Wraps the Rdict: the process dies in the middle of a flush, at the write of a node's
+    batch (its row and its key list)."""
+
+    class Crash(Exception):
+        pass
+
+    def __init__(self, db: object) -> None:
+        self._db = db
+
+    def write(self, batch: object) -> None:
+        raise self.Crash("write")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._db, name)
+
+
+def test_a_flush_that_dies_leaves_the_last_whole_node_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node's row (its seq) and its key list go in one write batch: a crash leaves both as
+    the last flush wrote them, so the restarted directory asks for the events it missed (a
+    resync) instead of continuing the stream over a stale key list."""
     clock = FakeClock()
     db = DirectoryDB(str(tmp_path / "dir"))
     s = DirectoryState(clock, node_ttl_ms=1000, db=db)
     s.register(node("a"), HASH_SCHEME, [NS_ROW], KEYS[:6], b"")
-    s.register(node("b"), HASH_SCHEME, [NS_ROW], KEYS[:3], b"")
     s.flush()
-    s.heartbeat("a", 1, 0, 1 << 30, [EventIn(1, "removed", KEYS[5:6])])
+    assert s.heartbeat("a", 1, 0, 1 << 30, [EventIn(1, "removed", KEYS[5:6])]) == (False, 1)
     real = db._db
-    db._db = _CrashAfterNodeRow(real)
-    with pytest.raises(_CrashAfterNodeRow.Crash):
-        s.flush()
+    db._db = _CrashOnWrite(real)
+    with pytest.raises(_CrashOnWrite.Crash):
+        s.flush()  # the directory process dies here
     db._db = real
     db.close()
 
     s2 = DirectoryState(clock, node_ttl_ms=1000, db=DirectoryDB(str(tmp_path / "dir")))
-    # 'b' was flushed whole: still offered; 'a' is unknown until it registers again
-    result = s2.lookup(KEYS[:6])
-    assert result.hits == 3 and [n.node_id for n in result.nodes] == ["b"]
-    assert s2.heartbeat("a", 1, 0, 1 << 30, []) == (True, 0)  # even with no events
-    s2.register(node("a"), HASH_SCHEME, [NS_ROW], KEYS[:5], b"")
-    assert s2.heartbeat("a", 1, 0, 1 << 30, []) == (False, 0)
-    assert s2.lookup(KEYS[:6]).hits == 5
+    assert s2.node("a") is not None and s2.node("a").last_seq == 0  # type: ignore[union-attr]
+    assert s2.lookup(KEYS[:6]).hits == 6  # the key list of seq 0, with it
+    resync, _ = s2.heartbeat("a", 1, 0, 1 << 30, [EventIn(2, "stored", KEYS[6:7])])
+    assert resync  # seq 2 does not follow seq 0
 
 
-def test_a_key_list_newer_than_its_node_row_means_a_resync(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The other torn order (the key list written, the process dead before the node row)."""
+def test_a_key_list_of_an_older_format_is_a_resync_not_a_stale_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
     clock = FakeClock()
     db = DirectoryDB(str(tmp_path / "dir"))
     s = DirectoryState(clock, node_ttl_ms=1000, db=db)
     s.register(node("a"), HASH_SCHEME, [NS_ROW], KEYS[:6], b"")
     s.flush()
-    old_row = db._db[b"node/a"]
-    s.heartbeat("a", 1, 0, 1 << 30, [EventIn(1, "removed", KEYS[5:6])])
-    s.flush()
-    db._db[b"node/a"] = old_row
+    db._db[b"keys/a"] = b"KVK2" + bytes(16) + bytes([32]) + KEYS[0] + bytes(1)  # two puts, paired by stamps
     db.close()
     s2 = DirectoryState(clock, node_ttl_ms=1000, db=DirectoryDB(str(tmp_path / "dir")))
     assert s2.lookup(KEYS[:6]).hits == 0
-    assert s2.heartbeat("a", 1, 0, 1 << 30, [EventIn(1, "removed", KEYS[5:6])])[0] is True
+    assert s2.heartbeat("a", 1, 0, 1 << 30, [EventIn(1, "stored", KEYS[6:7])])[0]
 
 
 def test_a_failed_flush_is_retried_by_the_next_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -225,8 +198,8 @@ def test_a_failed_flush_is_retried_by_the_next_one(tmp_path) -> None:  # type: i
     s = DirectoryState(clock, node_ttl_ms=1000, db=db)
     s.register(node("a"), HASH_SCHEME, [NS_ROW], KEYS[:4], b"")
     real = db._db
-    db._db = _CrashAfterNodeRow(real)
-    with pytest.raises(_CrashAfterNodeRow.Crash):
+    db._db = _CrashOnWrite(real)
+    with pytest.raises(_CrashOnWrite.Crash):
         s.flush()
     db._db = real
     assert s.flush() == 1  # the node is still dirty
@@ -236,7 +209,7 @@ def test_a_failed_flush_is_retried_by_the_next_one(tmp_path) -> None:  # type: i
     assert s2.heartbeat("a", 1, 0, 1 << 30, []) == (False, 0)
 
 
-def test_key_lists_from_before_write_stamps_mean_a_resync(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_key_lists_from_before_the_key_length_mean_a_resync(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from rocksdict import Rdict
 
     path = str(tmp_path / "dir")

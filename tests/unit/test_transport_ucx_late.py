@@ -5,6 +5,7 @@ staging buffer those bytes land in instead; a refused UCX read keeps the connect
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +49,10 @@ def late_server(store: NodeBlockStore) -> object:
     from kvpool.transport import ucx, wire
 
     class LateServer(ucx.UcxDataServer):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.sent = threading.Event()  # set once the late sends were attempted
+
         def _serve_read_ucx(self, conn: socket.socket, count: int, namespace: bytes, link: ucx._Link) -> None:
             leased = self._lease_for_read(conn, count, namespace)
             assert leased is not None
@@ -63,6 +68,7 @@ def late_server(store: NodeBlockStore) -> object:
                 link.wait(requests, time.monotonic() + 3.0)
             finally:
                 self._store.release(lease_id)
+                self.sent.set()
 
     return LateServer(store, "127.0.0.1:0")
 
@@ -98,11 +104,11 @@ def test_bytes_sent_after_a_timeout_never_reach_the_callers_rows(
         result = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out))
         assert result.ok == 0 and server.address in result.reason
         assert len(dropped) == 1
-        deadline = time.monotonic() + SEND_DELAY_S + 2.0
-        while time.monotonic() < deadline:  # the late sends arrive and are matched
-            dropped[0].worker.progress()
-            time.sleep(0.001)
-        assert posted and all(r.completed for r in posted[-1])  # the late bytes did arrive
+        assert posted
+        deadline = time.monotonic() + SEND_DELAY_S + 5.0
+        while not all(r.completed for r in posted[-1]) and time.monotonic() < deadline:
+            dropped[0].worker.progress()  # until the late sends have arrived and are matched
+        assert all(r.completed for r in posted[-1])  # the late bytes did arrive
         assert not out.any(), "late UCX bytes landed in rows already reported as a miss"
     finally:
         transport.close()
@@ -133,7 +139,7 @@ def test_a_timed_out_read_leaves_no_receive_posted(node: PoolNode, monkeypatch: 
         out = np.zeros_like(data)
         assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 0
         assert len(posted) == 1 and all(r.completed for r in posted[0])
-        time.sleep(SEND_DELAY_S + 0.2)  # the late sends go out to a worker that no longer exists
+        assert server.sent.wait(SEND_DELAY_S + 5.0)  # the late sends went out, to a worker that is gone
         assert not out.any()
     finally:
         transport.close()
