@@ -89,30 +89,23 @@ def _print_addresses(info: Mapping[str, object], as_json: bool) -> None:
 
 def _up(args: argparse.Namespace, workdir: str) -> int:
     from kvpool.daemon.launcher import LocalCluster, PoolLayout, start_pool
-    from kvpool.daemon.supervise import Stopped, stop_on_signals, supervise, write_state
+    from kvpool.daemon.supervise import run_foreground
 
     os.makedirs(workdir, exist_ok=True)
     state_path = os.path.join(workdir, STATE_NAME)
     _refuse_if_running(state_path)
     layout = PoolLayout(args.nodes, args.capacity_bytes, args.slab_bytes)
-    cluster = LocalCluster(workdir, die_with_parent=True)
-    status = 0
-    try:
-        with stop_on_signals():
-            try:
-                addresses = start_pool(cluster, layout)
-                info = {"nodes": list(addresses.nodes), "directory": addresses.directory, "etcd": addresses.etcd}
-                write_state(state_path, cluster, info)
-                _print_addresses(info, args.json)
-                if not args.json:
-                    print(f"  logs       {workdir}\nCtrl-C or SIGTERM to stop", file=sys.stderr, flush=True)
-                status = supervise(cluster)
-            except Stopped:
-                status = 0
-            finally:
-                cluster.stop()
-    finally:
-        Path(state_path).unlink(missing_ok=True)
+
+    def start(cluster: LocalCluster) -> dict[str, object]:
+        addresses = start_pool(cluster, layout)
+        return {"nodes": list(addresses.nodes), "directory": addresses.directory, "etcd": addresses.etcd}
+
+    def announce(info: dict[str, object]) -> None:
+        _print_addresses(info, args.json)
+        if not args.json:
+            print(f"  logs       {workdir}\nCtrl-C or SIGTERM to stop", file=sys.stderr, flush=True)
+
+    status = run_foreground(LocalCluster(workdir, die_with_parent=True), start, announce, state_path)
     if not args.json:
         print("kvpool cluster: stopped", file=sys.stderr, flush=True)
     return status

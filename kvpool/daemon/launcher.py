@@ -12,7 +12,8 @@ One implementation for everything that starts a local cluster: ``kvpool cluster 
   shared-memory arena of a node that could not remove it itself: no process and no arena
   file are left behind;
 * with ``die_with_parent`` (the CLI), children get SIGTERM from the kernel when the
-  supervisor dies, even by SIGKILL (``PR_SET_PDEATHSIG``, Linux).
+  supervisor dies, even by SIGKILL (``PR_SET_PDEATHSIG``, Linux), and run in their own
+  process group, so a terminal's Ctrl-C reaches only the supervisor.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 env={**self.env, **(env or {})},
                 preexec_fn=_child_setup(cpus, self.die_with_parent),
+                # a terminal's Ctrl-C reaches the supervisor alone, which stops children in order
+                process_group=0 if self.die_with_parent else None,
             )
         proc = Proc(name, popen, address, log_path)
         if cpus:

@@ -40,9 +40,15 @@ class Stopped(BaseException):
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into ``Stopped`` for the duration (main thread only)."""
+    """Turn the first SIGINT or SIGTERM into ``Stopped`` for the duration (main thread only);
+    later ones are ignored, so a second Ctrl-C cannot break off the stop it started."""
+    raised = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal raised
+        if raised:
+            return
+        raised = True
         raise Stopped(signal.Signals(signum).name)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -121,29 +127,70 @@ def write_state(path: str, cluster: LocalCluster, info: dict[str, Any]) -> None:
 def supervise(
     cluster: LocalCluster,
     out: TextIO = sys.stderr,
-    on_tick: Callable[[], None] | None = None,
+    survivable: Callable[[str], bool] = lambda name: False,
     poll_interval_s: float = POLL_INTERVAL_S,
 ) -> int:
-    """Block until a signal (-> 0) or a crashed child (-> 1, reported on ``out``). The caller
-    stops the cluster (in a ``finally``), so a signal during this call and one before it end alike."""
+    """Block until a signal (-> 0) or a crashed child (-> 1, reported on ``out``). A child
+    whose name is ``survivable`` (a demo's engine: the router fails its requests and goes
+    on) is reported once and the rest keeps running. The caller stops the cluster (in a
+    ``finally``), so a signal during this call and one before it end alike."""
+    reported: set[int] = set()
     try:
         while True:
-            dead = cluster.crashed()
-            if dead:
-                for proc in dead:
-                    print(
-                        f"kvpool: {proc.name} (pid {proc.popen.pid}) exited with status {proc.popen.returncode}; "
-                        f"stopping the others. End of {proc.log_path}:\n{log_tail(proc.log_path)}",
-                        file=out,
-                        flush=True,
-                    )
-                return 1
-            if on_tick is not None:
-                on_tick()
+            for proc in cluster.crashed():
+                if proc.popen.pid in reported:
+                    continue
+                reported.add(proc.popen.pid)
+                fatal = not survivable(proc.name)
+                print(
+                    f"kvpool: {proc.name} (pid {proc.popen.pid}) exited with status {proc.popen.returncode}; "
+                    + ("stopping the others" if fatal else "the others go on")
+                    + f". End of {proc.log_path}:\n{log_tail(proc.log_path)}",
+                    file=out,
+                    flush=True,
+                )
+                if fatal:
+                    return 1
             time.sleep(poll_interval_s)
     except Stopped as sig:
         print(f"kvpool: {sig}: stopping {len(cluster.procs)} processes", file=out, flush=True)
         return 0
+
+
+def run_foreground(
+    cluster: LocalCluster,
+    start: Callable[[LocalCluster], dict[str, Any]],
+    announce: Callable[[dict[str, Any]], None],
+    state_path: str = "",
+    out: TextIO = sys.stderr,
+    survivable: Callable[[str], bool] = lambda name: False,
+) -> int:
+    """``start`` the cluster's processes, write the state file, ``announce`` what started,
+    then ``supervise``; every child is stopped and the state file removed however it ends
+    (a signal during start-up included). The exit status of ``supervise``, or 1 when
+    ``start`` failed (its error printed)."""
+    from kvpool.core.errors import KVPoolError
+
+    status = 0
+    try:
+        with stop_on_signals():
+            try:
+                info = start(cluster)
+                if state_path:
+                    write_state(state_path, cluster, info)
+                announce(info)
+                status = supervise(cluster, out, survivable)
+            except Stopped:
+                status = 0
+            except KVPoolError as err:
+                print(f"kvpool: {err}", file=out, flush=True)
+                status = 1
+            finally:
+                cluster.stop()
+    finally:
+        if state_path:
+            Path(state_path).unlink(missing_ok=True)
+    return status
 
 
 def terminate_recorded(record: ClusterRecord, timeout_s: float) -> list[str]:
