@@ -289,6 +289,10 @@ class FrontDoor:
                 finally:
                     self._busy(prefill, -1)
                 info["prefill_first_token"] = first["choices"][0].get("token_ids", [])
+                done = first.get("kvpool") or {}  # the reference engine says what it did; vLLM does not
+                info["prefill_instance_tokens_run"] = done.get("prefill_tokens_run")
+                info["prefill_instance_hit_tokens"] = done.get("hit_tokens")
+                info["prefill_stored_blocks"] = done.get("stored_blocks")
                 current = decode
             self._busy(decode, 1)
             try:

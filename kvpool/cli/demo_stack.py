@@ -53,6 +53,8 @@ class DemoConfig:
     decode_role: str = "decode"  # reference engine: "both" = colocated (prefill + decode + store)
     salt: str = "demo"
     pin: bool = True
+    use_pool: bool = True  # reference engine: False = engines without the pool (colocated baseline)
+    prefill_reuse: bool = True  # reference engine: False = prefill instances never load a prefix
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
@@ -177,9 +179,13 @@ def start_stack(cluster: LocalCluster, cfg: DemoConfig) -> DemoAddresses:
 
 def _ref_argv(port: int, cfg: DemoConfig, role: str, pool: str) -> list[str]:
     argv = [sys.executable, "-m", "kvpool.engine.server", "--role", role, "--listen", f"127.0.0.1:{port}"]
-    argv += ["--pool", pool, "--salt", cfg.salt, "--block-tokens", str(REF_BLOCK_TOKENS), "--threads", "1"]
+    argv += ["--salt", cfg.salt, "--block-tokens", str(REF_BLOCK_TOKENS), "--threads", "1"]
+    if cfg.use_pool:
+        argv += ["--pool", pool]
     if cfg.chunk_tokens and role != "prefill":
         argv += ["--chunk-tokens", str(cfg.chunk_tokens)]
+    if not cfg.prefill_reuse and role == "prefill":
+        argv += ["--no-reuse"]
     return argv
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvpool.connectors.pool_api import BlockPool
+from kvpool.connectors.pool_api import BlockPool, pool_spec
 from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.core.words import WordTokenizer
 from kvpool.engine.engine import ROLES, Engine, EngineConfig, Request, SamplingParams
@@ -91,6 +91,13 @@ class EngineLoop:
         except queue.Full:
             raise Unavailable(f"{MAX_QUEUED_REQUESTS} requests already wait", hint="retry later") from None
         return job
+
+    def stored_blocks(self, req: Request) -> int:
+        """Blocks of ``req``'s prompt this engine offered to the pool (those it did not load)."""
+        if self.engine.pool is None or self.engine.config.role == "decode":
+            return 0
+        t = self.engine.config.block_tokens
+        return max(0, len(req.prompt) // t - req.hit_tokens // t)
 
     def _run(self) -> None:
         try:
@@ -216,6 +223,7 @@ def _handler(loop: EngineLoop, model_name: str, tokenizer: WordTokenizer) -> typ
                 obj["kvpool"] = {
                     "hit_tokens": job.request.hit_tokens,
                     "prefill_tokens_run": job.request.prefill_tokens_run,
+                    "stored_blocks": loop.stored_blocks(job.request),
                 }
                 obj["usage"] = {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.request.output)}
             return obj
@@ -266,7 +274,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill size; 0 = off")
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--no-reuse", action="store_true", help="never load a prefix from the pool (prompts still stored): a baseline"
+    )
     return parser
+
+
+class NoReusePool:
+    """A ``BlockPool`` whose lookups miss: the engine recomputes every prompt but still
+    stores its blocks (what a prefill instance of a disaggregated cluster without reuse does)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self.spec = pool_spec(pool)
+
+    def hashes(self, token_ids: Any) -> list[bytes]:
+        return self._pool.hashes(token_ids)
+
+    def lookup(self, hashes: Any) -> int:
+        return 0
+
+    def get_into(self, hashes: Any, out: Any) -> int:
+        return 0
+
+    def put(self, hashes: Any, blocks: Any) -> Any:
+        return self._pool.put(hashes, blocks)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -294,6 +326,8 @@ def serve(args: argparse.Namespace) -> int:
             lambda: PoolClient.connect(args.pool, spec, salt=salt), Namespace(spec, salt), MonotonicClock(), 1000
         )
         pool.try_connect()
+        if args.no_reuse:
+            pool = NoReusePool(pool)
     loop = EngineLoop(Engine(model_config, config, pool, model=model))
     host, _, port = args.listen.rpartition(":")
     httpd = ThreadingHTTPServer(
