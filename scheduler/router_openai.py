@@ -228,7 +228,9 @@ class FrontDoor:
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}]")
-        engine_body: dict[str, Any] = {"max_tokens": max_tokens, "return_token_ids": True}
+        # greedy unless the caller asks for sampling (OpenAI's default is 1.0): the demo's
+        # answers are reproducible and the same on every path and engine
+        engine_body: dict[str, Any] = {"max_tokens": max_tokens, "return_token_ids": True, "temperature": 0.0}
         for key in ("temperature", "top_k", "seed", "ignore_eos"):
             if body.get(key) is not None:
                 engine_body[key] = body[key]
