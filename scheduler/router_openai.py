@@ -46,6 +46,7 @@ import numpy as np
 
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, Unavailable
 from kvpool.core.words import WordTokenizer, render_chat
+from kvpool.rpc.http_json import JsonHandler
 from kvpool.scheduler.cluster import ClusterState, Decision, RouteRequest
 from kvpool.scheduler.policy_base import Policy, explain
 from kvpool.scheduler.router_core import RouterCore, WorkerLoad
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 
 RouteMode = Literal["auto", "local", "remote"]
 ROUTE_MODES: tuple[RouteMode, ...] = ("auto", "local", "remote")
-MAX_BODY_BYTES = 8 << 20
 MAX_TOKENS_LIMIT = 4096
 ENGINE_TIMEOUT_S = 600.0  # one engine call; a CPU vLLM under load is slow, a dead one fails at once
 HEALTH_INTERVAL_S = 1.0
@@ -359,33 +359,21 @@ def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bo
     """The HTTP handler class; ``fallback`` gets requests this one does not know (the hook
     through which other routes, e.g. a /metrics page, join the same server)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    class Handler(JsonHandler):
         server_version = "kvpool-router-openai/1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http: " + format, *args)
-
-        def _json(self, status: int, obj: dict[str, Any]) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
         def _error(self, err: KVPoolError) -> None:
             status = 503 if isinstance(err, Unavailable) else 404 if isinstance(err, NotFound) else 400
             kind = "engine_unavailable" if isinstance(err, Unavailable) else "invalid_request_error"
-            self._json(status, {"error": {"message": str(err), "type": kind, "code": status}})
+            self.send_json(status, {"error": {"message": str(err), "type": kind, "code": status}})
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                self._json(200, door.models())
+                self.send_json(200, door.models())
             elif self.path == "/v1/stats":
-                self._json(200, {**door.stats(), "router": door.core.stats()})
+                self.send_json(200, {**door.stats(), "router": door.core.stats()})
             elif self.path == "/health":
-                self._json(200, {"ok": True})
+                self.send_json(200, {"ok": True})
             elif fallback is None or not fallback(self):
                 self._error(NotFound(f"no route GET {self.path}", hint="GET /v1/models"))
 
@@ -396,13 +384,7 @@ def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bo
                 return
             chat = self.path == "/v1/chat/completions"
             try:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > MAX_BODY_BYTES:
-                    raise InvalidArgument(f"request body over {MAX_BODY_BYTES} bytes")
-                body = json.loads(self.rfile.read(n) or b"{}")
-                if not isinstance(body, dict):
-                    raise InvalidArgument("body must be a JSON object")
-                job = door.parse(body, chat)
+                job = door.parse(self.read_json(), chat)
                 tokens = door.serve(job)
                 # the first chunk before any header: a dead engine is still a clean 503
                 first = next(tokens, None)
@@ -439,15 +421,10 @@ def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bo
                 )
             else:
                 obj.update(object="text_completion", choices=[{"index": 0, "text": text, "finish_reason": "length"}])
-            self._json(200, {**obj, "usage": usage, "kvpool": {**info, "token_ids": ids}})
+            self.send_json(200, {**obj, "usage": usage, "kvpool": {**info, "token_ids": ids}})
 
         def _stream(self, job: Job, rid: str, first: Any, rest: Iterator[tuple[list[int], dict[str, Any]]]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
+            self.start_events()
             sent = 0
             info: dict[str, Any] = {}
             try:
@@ -455,7 +432,7 @@ def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bo
                     if not new:
                         continue
                     text = ("" if sent == 0 else " ") + door.tokenizer.decode(new)
-                    self._event(
+                    self.send_event(
                         {
                             **_chunk(door, job, rid, text, None, sent == 0),
                             "kvpool": {"token_ids": new, "decode": info.get("decode")},
@@ -463,16 +440,12 @@ def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bo
                     )
                     sent += len(new)
                 final = _chunk(door, job, rid, "", "length", False)
-                self._event({**final, "kvpool": info, "usage": {"prompt_tokens": len(job.token_ids)}})
-                self.wfile.write(b"data: [DONE]\n\n")
+                self.send_event({**final, "kvpool": info, "usage": {"prompt_tokens": len(job.token_ids)}})
+                self.end_events()
             except KVPoolError as err:
-                self._event({"error": {"message": str(err), "type": "engine_unavailable", "code": 503}})
+                self.send_event({"error": {"message": str(err), "type": "engine_unavailable", "code": 503}})
             except OSError:
                 return  # the client went away
-            self.wfile.flush()
-
-        def _event(self, obj: dict[str, Any]) -> None:
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
 
     return Handler

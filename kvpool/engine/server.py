@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import os
 import queue
@@ -34,7 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -44,11 +43,11 @@ from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.core.words import WordTokenizer
 from kvpool.engine.engine import ROLES, Engine, EngineConfig, Request, SamplingParams
 from kvpool.engine.model import ModelConfig, RefModel
+from kvpool.rpc.http_json import JsonHandler
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_REQUESTS = 256  # submissions waiting for the engine thread
-MAX_BODY_BYTES = 8 << 20
 MAX_NEW_TOKENS = 4096
 IDLE_WAIT_S = 0.05
 
@@ -165,46 +164,28 @@ def parse_completion(body: dict[str, Any], tokenizer: WordTokenizer) -> tuple[li
     return ids, params, bool(body.get("stream"))
 
 
-def _handler(loop: EngineLoop, model_name: str, tokenizer: WordTokenizer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def _handler(loop: EngineLoop, model_name: str, tokenizer: WordTokenizer) -> type[JsonHandler]:
+    class Handler(JsonHandler):
         server_version = "kvpool-ref-engine/1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http: " + format, *args)
-
-        def _json(self, status: int, obj: dict[str, Any]) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
         def _error(self, status: int, err: BaseException) -> None:
             message = err.message if isinstance(err, KVPoolError) else repr(err)
-            self._json(status, {"error": {"message": message, "type": type(err).__name__, "code": status}})
+            self.send_json(status, {"error": {"message": message, "type": type(err).__name__, "code": status}})
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._json(200 if loop.error is None else 503, {"ok": loop.error is None})
+                self.send_json(200 if loop.error is None else 503, {"ok": loop.error is None})
             elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": model_name, "object": "model"}]})
+                self.send_json(200, {"object": "list", "data": [{"id": model_name, "object": "model"}]})
             else:
-                self._json(404, {"error": {"message": f"no route GET {self.path}", "code": 404}})
+                self.send_json(404, {"error": {"message": f"no route GET {self.path}", "code": 404}})
 
         def do_POST(self) -> None:
             if self.path != "/v1/completions":
-                self._json(404, {"error": {"message": f"no route POST {self.path}", "code": 404}})
+                self.send_json(404, {"error": {"message": f"no route POST {self.path}", "code": 404}})
                 return
             try:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > MAX_BODY_BYTES:
-                    raise InvalidArgument(f"request body over {MAX_BODY_BYTES} bytes")
-                body = json.loads(self.rfile.read(n) or b"{}")
-                if not isinstance(body, dict):
-                    raise InvalidArgument("body must be a JSON object")
-                ids, params, stream = parse_completion(body, tokenizer)
+                ids, params, stream = parse_completion(self.read_json(), tokenizer)
                 job = loop.submit(ids, params)
             except KVPoolError as err:
                 self._error(503 if isinstance(err, Unavailable) else 400, err)
@@ -235,27 +216,17 @@ def _handler(loop: EngineLoop, model_name: str, tokenizer: WordTokenizer) -> typ
                     self._error(500, item)
                     return
                 out.extend(item)
-            self._json(200, self._chunk(job, out, "length"))
+            self.send_json(200, self._chunk(job, out, "length"))
 
         def _stream(self, job: _Job) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
+            self.start_events()
             while (item := job.tokens.get()) is not None:
                 if isinstance(item, BaseException):
-                    self._event({"error": {"message": repr(item), "type": type(item).__name__}})
+                    self.send_event({"error": {"message": repr(item), "type": type(item).__name__}})
                     return
-                self._event(self._chunk(job, item, None))
-            self._event(self._chunk(job, [], "length"))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-
-        def _event(self, obj: dict[str, Any]) -> None:
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
+                self.send_event(self._chunk(job, item, None))
+            self.send_event(self._chunk(job, [], "length"))
+            self.end_events()
 
     return Handler
 
