@@ -20,6 +20,10 @@ import json
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.cli.demo_stack import DemoConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,12 +82,10 @@ def run(args: argparse.Namespace) -> int:
     return _up(args, cfg, workdir)
 
 
-def _up(args: argparse.Namespace, cfg: object, workdir: str) -> int:
-    from kvpool.cli.demo_stack import DemoConfig, start_stack
+def _up(args: argparse.Namespace, cfg: DemoConfig, workdir: str) -> int:
+    from kvpool.cli.demo_stack import start_stack
     from kvpool.daemon.launcher import LocalCluster
     from kvpool.daemon.supervise import run_foreground
-
-    assert isinstance(cfg, DemoConfig)
 
     def start(cluster: LocalCluster) -> dict[str, object]:
         return start_stack(cluster, cfg).to_dict()

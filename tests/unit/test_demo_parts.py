@@ -114,3 +114,31 @@ def test_process_identity_for_the_state_file() -> None:
     assert me is not None and same_process_alive(os.getpid(), me)
     assert not same_process_alive(os.getpid(), me + 1)  # same PID, another process: not ours
     assert process_start_ticks(2**22 + 12345) is None
+
+
+@given(
+    prompt_blocks=st.integers(1, 20),
+    cached_blocks=st.integers(0, 20),
+    threshold=st.integers(0, 700),
+    down=st.sets(st.sampled_from(["prefill-0", "decode-0", "decode-1"])),
+    mode=st.sampled_from(["auto", "local", "remote"]),
+)
+def test_split_policy_never_picks_a_down_instance_and_splits_by_uncached_tokens(
+    prompt_blocks: int, cached_blocks: int, threshold: int, down: set[str], mode: str
+) -> None:
+    policy = SplitPolicy(threshold, mode)  # type: ignore[arg-type]
+    c = core(policy)
+    prompt = list(range(4, 4 + prompt_blocks * 32 + 5))
+    hashes = block_hashes(NS, np.array(prompt))
+    cached = min(cached_blocks, len(hashes))
+    if cached:
+        c.apply_event(KVEvent("node-0", 1, EventKind.STORED, tuple(hashes[:cached])))
+    policy.down = {c.names.index(n) for n in down}
+    r = c.route(c.request_from(prompt, None, 0, 8, None))
+    if r.decision.rejected:
+        assert {"decode-0", "decode-1"} <= down or (mode == "remote" and "prefill-0" in down)
+        return
+    assert r.decode_instance not in down and r.prefill_instance not in down
+    uncached = len(prompt) - cached * 32
+    want_remote = "prefill-0" not in down and (mode == "remote" or (mode == "auto" and uncached > threshold))
+    assert (r.decision.prefill_kind == "instance") == want_remote
