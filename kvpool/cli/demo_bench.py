@@ -4,7 +4,8 @@ engines and the same CPU cores (docs/demo.md).
 Modes (reference engine, two engine processes each, one core each where there are two):
 
 * ``colocated``: two engines that prefill and decode (continuous batching), no pool;
-* ``colocated-chunked``: the same with chunked prefill (``--chunk-tokens``);
+* ``colocated-chunked``: the same with chunked prefill: at most ``--chunk-tokens`` tokens
+  per engine step, running decodes first (Sarathi / vLLM ``max_num_batched_tokens``);
 * ``disagg``: one prefill + one decode instance, every prompt prefilled on the prefill
   instance and its KV moved through the pool, no reuse across requests;
 * ``disagg-pool``: the same with prefix reuse and the cache-aware split of the router
@@ -144,6 +145,9 @@ def mode_config(mode: str, listen: str, chunk_tokens: int) -> DemoConfig:
             route="local",
             use_pool=False,
             chunk_tokens=chunk_tokens if mode == "colocated-chunked" else 0,
+            # chunked prefill bounds the whole step (decodes first, then prefill chunks), as
+            # vLLM's max_num_batched_tokens does; a per-request chunk alone would not
+            max_batch_tokens=chunk_tokens if mode == "colocated-chunked" else 0,
         )
     if mode == "disagg":
         return dataclasses.replace(base, route="remote", prefill_reuse=False)

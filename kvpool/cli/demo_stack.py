@@ -50,6 +50,7 @@ class DemoConfig:
     model_dir: str = ""  # vLLM only; "" = the tiny model
     model_name: str = "kvpool-demo"
     chunk_tokens: int = 0  # reference engine: chunked prefill size on decode instances; 0 = off
+    max_batch_tokens: int = 0  # reference engine: tokens per engine step; 0 = the engine's default
     decode_role: str = "decode"  # reference engine: "both" = colocated (prefill + decode + store)
     salt: str = "demo"
     pin: bool = True
@@ -184,6 +185,8 @@ def _ref_argv(port: int, cfg: DemoConfig, role: str, pool: str) -> list[str]:
         argv += ["--pool", pool]
     if cfg.chunk_tokens and role != "prefill":
         argv += ["--chunk-tokens", str(cfg.chunk_tokens)]
+    if cfg.max_batch_tokens:
+        argv += ["--max-batch-tokens", str(cfg.max_batch_tokens)]
     if not cfg.prefill_reuse and role == "prefill":
         argv += ["--no-reuse"]
     return argv
