@@ -444,8 +444,11 @@ def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bo
                 self.end_events()
             except KVPoolError as err:
                 self.send_event({"error": {"message": str(err), "type": "engine_unavailable", "code": 503}})
-            except OSError:
-                return  # the client went away
+            except OSError:  # the client went away: let go of the engine's stream now
+                close = getattr(rest, "close", None)
+                if close is not None:
+                    close()
+                return
             self.wfile.flush()
 
     return Handler

@@ -282,7 +282,13 @@ def run_bench(args: argparse.Namespace, cfg: DemoConfig, workdir: str) -> int:
                 results[name][mode] = summarize(outcomes, oracle_tokens)
     out_dir = args.out or workdir
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"cpus": len(os.sched_getaffinity(0)), "rate": args.rate, "seed": args.seed, "modes": modes}
+    meta = {
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_1m_end": os.getloadavg()[0],  # other processes on the machine: say how busy it was
+        "modes": modes,
+        **{k: getattr(args, k) for k in ("rate", "seed", "conversations", "requests", "long_tokens", "long_every")},
+        "chunk_tokens": args.chunk_tokens,
+    }
     (Path(out_dir) / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.json:
         print(json.dumps({"meta": meta, "results": strip_series(results)}))
