@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvpool.cli.sim", "replay a request trace through the scheduler policies (discrete-event)"),
     "router": ("kvpool.cli.router", "run the cache-aware router daemon"),
     "directory": ("kvpool.cli.directory", "run the cluster directory (master) service"),
+    "cluster": ("kvpool.cli.cluster", "start a local cluster (N nodes, etcd, directory) on 127.0.0.1: up/status/down"),
+    "demo": ("kvpool.cli.demo", "a PD-disaggregated cluster on this machine behind an OpenAI front door; modes bench"),
     "auth": ("kvpool.cli.auth", "make tokens and their sha256 for a daemon's --credentials file"),
 }
 

@@ -43,11 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token", default=None, help="the tenant's token for a pool with credentials (env KVPOOL_TOKEN)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    from kvpool.cli.router_openai import add_openai_arguments
+
+    add_openai_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    from kvpool.cli.router_openai import openai_policy, start_openai
     from kvpool.core.clock import MonotonicClock
     from kvpool.core.errors import KVPoolError
     from kvpool.core.spec import KVSpec, Namespace
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         core = RouterCore(
             cluster,
             load_cost_model(args.cost_model),
-            make_policy(args.policy, args.seed),
+            openai_policy(args) or make_policy(args.policy, args.seed),
             MonotonicClock(),
             namespace,
             Slo(args.ttft_slo_ms, args.tpot_slo_ms),
@@ -96,11 +100,24 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     if follower is not None:
         supervisor.spawn("router-events", follower.run)
+    try:
+        front = start_openai(args, core)
+    except KVPoolError as exc:
+        print(f"kvpool router: {exc}", file=sys.stderr)
+        if follower is not None:
+            follower.stop()
+        supervisor.stop()
+        server.stop()
+        return 2
     print(
-        f"kvpool router: grpc {server.grpc_address}" + (f", http {server.http_address}" if server.http_address else ""),
+        f"kvpool router: grpc {server.grpc_address}"
+        + (f", http {server.http_address}" if server.http_address else "")
+        + (f", openai http://{front.address}/v1" if front else ""),
         flush=True,
     )
     failed = supervisor.wait_for_stop()
+    if front is not None:
+        front.stop()
     if follower is not None:
         follower.stop()  # ends its stream: run() returns and the supervisor joins it
     supervisor.stop()
