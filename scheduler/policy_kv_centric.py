@@ -34,17 +34,19 @@ class KvCentricPolicy(Policy):
         cands, kind = prefill_candidates(state)
         lens = state.prefix_lengths(req.hashes)
         if kind == "instance":
-            ttft, reach = state.plan_ttft_vector(req, cands, lens)
+            dec = state.decode_arr
+            tpot = state.predicted_tpot_ms(req, dec)
+            j = int(np.argmin(tpot))
+            d, best_tpot = int(dec[j]), float(tpot[j])
+            ttft, reach = state.plan_ttft_vector(req, cands, lens, d)
         else:  # no prefill instances: prefill on the decode node that would also decode
             plans = [state.plan_prefill(req, int(m), lens, int(m)) for m in cands]
             ttft = np.array([pl.ttft_ms for pl in plans])
             reach = np.array([pl.hit_blocks for pl in plans])
         i = int(np.argmin(ttft))
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
-        dec = state.decode_arr if kind == "instance" else np.array([p])
-        tpot = state.predicted_tpot_ms(req, dec)
-        j = int(np.argmin(tpot))
-        d, best_tpot = int(dec[j]), float(tpot[j])
+        if kind != "instance":
+            d, best_tpot = p, float(state.predicted_tpot_ms(req, np.array([p]))[0])
         if self.reject and best_ttft > req.slo.ttft_ms:
             return Decision.reject(
                 f"predicted TTFT {best_ttft:.0f} ms > SLO {req.slo.ttft_ms:.0f} ms", best_ttft, best_tpot
