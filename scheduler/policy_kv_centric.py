@@ -24,8 +24,15 @@ from kvpool.scheduler.policy_base import Policy, prefill_candidates
 class KvCentricPolicy(Policy):
     name = "kv-centric"
 
-    def __init__(self, hot_threshold: int = 4, max_tracked_blocks: int = 200_000, reject: bool = True) -> None:
+    def __init__(
+        self,
+        hot_threshold: int = 4,
+        max_tracked_blocks: int = 200_000,
+        reject: bool = True,
+        affinity_slack: float = 0.1,
+    ) -> None:
         self.hot_threshold = hot_threshold
+        self.affinity_slack = affinity_slack
         self.max_tracked_blocks = max_tracked_blocks
         self.reject = reject
         self._hits: dict[bytes, int] = {}  # insertion-ordered: the oldest-seen counts go first
@@ -44,6 +51,13 @@ class KvCentricPolicy(Policy):
             ttft = np.array([pl.ttft_ms for pl in plans])
             reach = np.array([pl.hit_blocks for pl in plans])
         i = int(np.argmin(ttft))
+        if self.affinity_slack > 0:
+            # keep a prefix where it already lives when that costs little now: a duplicate on
+            # another instance would evict other prefixes there (the caches stay partitioned)
+            ok = ttft <= ttft[i] * (1.0 + self.affinity_slack)
+            local = np.where(ok, lens[cands], -1)
+            top = np.flatnonzero(local == local.max())
+            i = int(top[np.argmin(ttft[top])])
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
         if kind != "instance":
             d, best_tpot = p, float(state.predicted_tpot_ms(req, np.array([p]))[0])
