@@ -12,6 +12,7 @@ Members of the location index: prefill instances ``0..P-1``, decode instances
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -174,9 +175,23 @@ class PrefillPlan:
 class ClusterState:
     """Live state: queues, decode load and block locations, at time ``now_ms``."""
 
-    def __init__(self, spec: ClusterSpec, cost: CostModel) -> None:
+    def __init__(
+        self, spec: ClusterSpec, cost: CostModel, role_costs: Mapping[str, CostModel] | None = None
+    ) -> None:
+        """``cost`` for every instance, or per role ("prefill", "decode", "remote") from ``role_costs``
+        (heterogeneous hardware: a compute-dense prefill part, a bandwidth-rich decode part)."""
         self.spec = spec
         self.cost = cost
+        self.role_cost: dict[str, CostModel] = {r: cost for r in ("prefill", "decode", "remote")}
+        for role, c in (role_costs or {}).items():
+            if role not in self.role_cost:
+                raise InvalidArgument(f"unknown role {role!r} in role_costs", hint="prefill, decode or remote")
+            if c.kv_bytes_per_token != cost.kv_bytes_per_token:
+                raise InvalidArgument(
+                    f"role {role} runs a model with {c.kv_bytes_per_token} KV bytes/token, not {cost.kv_bytes_per_token}",
+                    hint="every instance must serve the same model for KV to move between them",
+                )
+            self.role_cost[role] = c
         self.now_ms = 0.0
         n = spec.num_instances
         self.busy_until_ms = np.zeros(n, dtype=np.float64)  # prefill queue drains at (decode: local prefill)
@@ -253,8 +268,9 @@ class ClusterState:
         behind a busy NIC can lose to recompute. Then the decode node receives the whole prefix's
         KV except what it already holds.
         """
-        spec, cost, now = self.spec, self.cost, self.now_ms
+        spec, now = self.spec, self.now_ms
         role = spec.role(member)
+        cost = self.role_cost[role]
         n_blocks = len(req.hashes)
         local = min(int(lens[member]), n_blocks)
         src, src_len = self._fetch_source(lens) if role != "remote" else (-1, 0)
@@ -333,7 +349,8 @@ class ClusterState:
 
     def predicted_tpot_ms(self, req: RouteRequest, members: np.ndarray) -> np.ndarray:
         ctx = self.decode_context_tokens[members] + req.input_tokens + req.output_tokens // 2
-        return np.asarray(self.cost.decode_step_ms(self.decode_active[members] + 1, ctx), dtype=np.float64)
+        step = self.role_cost["decode"].decode_step_ms(self.decode_active[members] + 1, ctx)
+        return np.asarray(step, dtype=np.float64)
 
     def plan_ttft_vector(
         self, req: RouteRequest, members: np.ndarray, lens: np.ndarray, decode_member: int
@@ -343,7 +360,7 @@ class ClusterState:
         Returns (ttft_ms, hit_blocks) per member in ``members``; the same arithmetic, fetch-vs-recompute
         included, so a prediction and ``plan_prefill`` agree (a unit test checks it).
         """
-        spec, cost, now = self.spec, self.cost, self.now_ms
+        spec, cost, now = self.spec, self.role_cost["prefill"], self.now_ms
         n_blocks = len(req.hashes)
         local = np.minimum(lens[members], n_blocks)
         src, src_len = self._fetch_source(lens)

@@ -130,9 +130,7 @@ def get_node_preset(name: str) -> NodePreset:
     try:
         return NODE_PRESETS[name]
     except KeyError:
-        raise InvalidArgument(
-            f"unknown node preset {name!r}", hint=f"use one of {sorted(NODE_PRESETS)}"
-        ) from None
+        raise InvalidArgument(f"unknown node preset {name!r}", hint=f"use one of {sorted(NODE_PRESETS)}") from None
 
 
 def cluster_from_preset(

@@ -174,6 +174,11 @@ class LruCache:
     def keys(self) -> list[bytes]:
         return list(self._d)
 
+    def recency(self) -> OrderedDict[bytes, None]:
+        """The LRU order itself (oldest first), for a caller's fast refresh path: moving a present
+        key to the end is exactly ``insert`` of a present key."""
+        return self._d
+
     def discard(self, h: bytes) -> None:
         """Forget ``h`` without calling ``on_leave`` (it moved to another tier of the same member)."""
         self._d.pop(h, None)

@@ -174,7 +174,7 @@ def format_table(rows: list[Summary]) -> str:
         "rej tok",
         "recomp Mtok",
         "TTFT mean",
-        "p50",
+        "TTFT p50",
         "p90",
         "p99",
         "p90 all",

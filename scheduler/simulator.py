@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +74,15 @@ class RequestOutcome:
 
     def __post_init__(self) -> None:
         n = self.n
-        for name in ("arrival_ms", "ttft_ms", "tpot_ms", "finish_ms", "prefill_start_ms", "bytes_moved", "max_pause_ms"):
+        for name in (
+            "arrival_ms",
+            "ttft_ms",
+            "tpot_ms",
+            "finish_ms",
+            "prefill_start_ms",
+            "bytes_moved",
+            "max_pause_ms",
+        ):
             setattr(self, name, np.full(n, np.nan))
         for name in (
             "blocks",
@@ -106,6 +114,7 @@ class Simulator:
         hasher: TraceHasher | None = None,
         progress: Callable[[int, int], None] | None = None,
         check_every: int = 0,
+        role_costs: Mapping[str, CostModel] | None = None,
     ) -> None:
         if not speedup > 0:
             raise InvalidArgument(f"speedup must be positive, got {speedup}")
@@ -113,7 +122,7 @@ class Simulator:
         self.hasher = hasher or TraceHasher()
         self.progress = progress
         self.check_every = check_every  # > 0: check_consistency after every N-th request (tests)
-        self.state = ClusterState(spec, cost)
+        self.state = ClusterState(spec, cost, role_costs)
         index = self.state.index
         self.local: list[TieredCache] = [
             TieredCache(spec.hbm_blocks, spec.dram_blocks, lambda h, m=m: index.remove(h, m), spec.eviction)
@@ -188,7 +197,7 @@ class Simulator:
                 return
             waiting.popleft()  # an idle node always admits (a request larger than the node still runs)
             n_out = int(self._out_tokens[i])
-            tpot = float(self.cost.decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2))
+            tpot = float(self.state.role_cost["decode"].decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2))
             w_start, w_end, w_stall = self._window[d]
             delay = w_stall * (w_end - t) / (w_end - w_start) if w_start <= t < w_end else 0.0
             entry = [t + delay + max(0, n_out - 1) * tpot, float(kv_tokens), float(i), t, 0.0]
@@ -225,7 +234,11 @@ class Simulator:
                 cache: TieredCache | LruCache | PolicyCache = self.pool
             else:
                 cache = self.local[m]
+            hot = cache.hbm.recency() if isinstance(cache, TieredCache) else None
             for h in hashes:
+                if hot is not None and h in hot:  # fast path: already in HBM, its bit is set
+                    hot.move_to_end(h)
+                    continue
                 index.add(h, m)
                 cache.insert(h)
 
@@ -233,11 +246,11 @@ class Simulator:
         """Every index bit names a member whose cache holds the block, and vice versa."""
         index, pool_member = self.state.index, self.spec.pool_member
         held: dict[bytes, int] = {}
-        for m, cache in enumerate(self.local):
-            for h in cache.keys():
+        tiers: list[tuple[int, list[bytes]]] = [(m, c.keys()) for m, c in enumerate(self.local)]
+        tiers.append((pool_member, self.pool.keys()))
+        for m, blocks in tiers:
+            for h in blocks:
                 held[h] = held.get(h, 0) | (1 << m)
-        for h in self.pool.keys():
-            held[h] = held.get(h, 0) | (1 << pool_member)
         for h, mask in index.items():
             if held.get(h, 0) != mask:
                 raise InternalError(f"index says {mask:b} holds {h.hex()}, the caches say {held.get(h, 0):b}")
@@ -288,7 +301,7 @@ class Simulator:
 
     def _execute(self, i: int, req: RouteRequest, d: Decision, now: float) -> None:
         self._check(d)
-        state, spec, cost, out = self.state, self.spec, self.cost, self.out
+        state, spec, out = self.state, self.spec, self.out
         m, dm = d.prefill_member, d.decode_member
         lens = state.prefix_lengths(req.hashes)
         local_len = min(int(lens[m]), len(req.hashes))

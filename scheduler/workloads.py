@@ -87,6 +87,10 @@ KIND_DEFAULTS: dict[str, dict[str, object]] = {
 def workload_spec(kind: str, **overrides: object) -> WorkloadSpec:
     if kind not in KIND_DEFAULTS:
         raise InvalidArgument(f"unknown workload kind {kind!r}", hint=f"use one of {sorted(KIND_DEFAULTS)}")
+    known = {f.name for f in dataclasses.fields(WorkloadSpec)} - {"kind"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown workload knob(s) {unknown}", hint=f"knobs: {sorted(known)}")
     fields = {**KIND_DEFAULTS[kind], **overrides, "kind": kind}
     return WorkloadSpec(**fields)  # type: ignore[arg-type]
 
@@ -156,13 +160,14 @@ def to_jsonl(trace: list[TraceRequest]) -> str:
 
     return "".join(
         json.dumps(
-            {"timestamp": r.arrival_ms, "input_length": r.input_tokens, "output_length": r.output_tokens,
-             "hash_ids": list(r.block_ids)}
+            {
+                "timestamp": r.arrival_ms,
+                "input_length": r.input_tokens,
+                "output_length": r.output_tokens,
+                "hash_ids": list(r.block_ids),
+            }
         )
         + "\n"
         for r in trace
     )
 
-
-def replace(spec: WorkloadSpec, **changes: object) -> WorkloadSpec:
-    return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
