@@ -41,11 +41,10 @@ class KvCentricPolicy(Policy):
         cands, kind = prefill_candidates(state)
         lens = state.prefix_lengths(req.hashes)
         if kind == "instance":
-            dec = state.decode_arr
-            tpot = state.predicted_tpot_ms(req, dec)
+            tpot = state.predicted_tpot_ms(req, state.decode_slice)
             j = int(np.argmin(tpot))
-            d, best_tpot = int(dec[j]), float(tpot[j])
-            ttft, reach = state.plan_ttft_vector(req, cands, lens, d)
+            d, best_tpot = int(state.decode_arr[j]), float(tpot[j])
+            ttft, reach = state.plan_ttft_vector(req, state.prefill_slice, lens, d)
         else:  # no prefill instances: prefill on the decode node that would also decode
             plans = [state.plan_prefill(req, int(m), lens, int(m)) for m in cands]
             ttft = np.array([pl.ttft_ms for pl in plans])
@@ -54,10 +53,9 @@ class KvCentricPolicy(Policy):
         if self.affinity_slack > 0:
             # keep a prefix where it already lives when that costs little now: a duplicate on
             # another instance would evict other prefixes there (the caches stay partitioned)
-            ok = ttft <= ttft[i] * (1.0 + self.affinity_slack)
-            local = np.where(ok, lens[cands], -1)
-            top = np.flatnonzero(local == local.max())
-            i = int(top[np.argmin(ttft[top])])
+            # the longest local prefix within the slack, ties to the lower TTFT (TTFTs are < 1e12 ms)
+            key = np.where(ttft <= ttft[i] * (1.0 + self.affinity_slack), lens[cands] * 1e12 - ttft, -np.inf)
+            i = int(np.argmax(key))
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
         if kind != "instance":
             d, best_tpot = p, float(state.predicted_tpot_ms(req, np.array([p]))[0])
