@@ -175,9 +175,7 @@ class PrefillPlan:
 class ClusterState:
     """Live state: queues, decode load and block locations, at time ``now_ms``."""
 
-    def __init__(
-        self, spec: ClusterSpec, cost: CostModel, role_costs: Mapping[str, CostModel] | None = None
-    ) -> None:
+    def __init__(self, spec: ClusterSpec, cost: CostModel, role_costs: Mapping[str, CostModel] | None = None) -> None:
         """``cost`` for every instance, or per role ("prefill", "decode", "remote") from ``role_costs``
         (heterogeneous hardware: a compute-dense prefill part, a bandwidth-rich decode part)."""
         self.spec = spec
@@ -188,7 +186,8 @@ class ClusterState:
                 raise InvalidArgument(f"unknown role {role!r} in role_costs", hint="prefill, decode or remote")
             if c.kv_bytes_per_token != cost.kv_bytes_per_token:
                 raise InvalidArgument(
-                    f"role {role} runs a model with {c.kv_bytes_per_token} KV bytes/token, not {cost.kv_bytes_per_token}",
+                    f"role {role} runs a model with {c.kv_bytes_per_token} KV bytes/token, "
+                    f"not {cost.kv_bytes_per_token}",
                     hint="every instance must serve the same model for KV to move between them",
                 )
             self.role_cost[role] = c
@@ -352,8 +351,10 @@ class ClusterState:
     def predicted_tpot_ms(self, req: RouteRequest, members: np.ndarray | slice) -> np.ndarray:
         """Decode step time on each of ``members`` once ``req`` joins (``decode_step_ms``, inlined)."""
         c = self.role_cost["decode"]
-        base = c.decode_base_ms + c.decode_ms_per_seq + c.decode_ms_per_context_token * (
-            req.input_tokens + req.output_tokens // 2
+        base = (
+            c.decode_base_ms
+            + c.decode_ms_per_seq
+            + c.decode_ms_per_context_token * (req.input_tokens + req.output_tokens // 2)
         )
         ctx_ms = self.decode_context_tokens[members] * c.decode_ms_per_context_token
         return ctx_ms + self.decode_active[members] * c.decode_ms_per_seq + base
@@ -392,7 +393,9 @@ class ClusterState:
             if spec.nic_contention and src != spec.pool_member:
                 floor = max(now, float(self.nic_out_busy_until_ms[src]))
             begin = np.maximum(begin, floor)
-            fetch_end = begin + (spec.link_latency_ms + extra * (self.block_bytes * 1000.0 / spec.pool_bandwidth_bytes_per_s))
+            fetch_end = begin + (
+                spec.link_latency_ms + extra * (self.block_bytes * 1000.0 / spec.pool_bandwidth_bytes_per_s)
+            )
             cached1 = np.minimum((local + extra) * bt, inp - 1)
             done1 = np.maximum(start_q, fetch_end) + (k - cached1 * (half_b * cached1 + a))
             take = (done1 < done) & (extra > 0)

@@ -197,7 +197,9 @@ class Simulator:
                 return
             waiting.popleft()  # an idle node always admits (a request larger than the node still runs)
             n_out = int(self._out_tokens[i])
-            tpot = float(self.state.role_cost["decode"].decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2))
+            tpot = float(
+                self.state.role_cost["decode"].decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2)
+            )
             w_start, w_end, w_stall = self._window[d]
             delay = w_stall * (w_end - t) / (w_end - w_start) if w_start <= t < w_end else 0.0
             entry = [t + delay + max(0, n_out - 1) * tpot, float(kv_tokens), float(i), t, 0.0]

@@ -170,4 +170,3 @@ def to_jsonl(trace: list[TraceRequest]) -> str:
         + "\n"
         for r in trace
     )
-

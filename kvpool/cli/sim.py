@@ -2,15 +2,21 @@
 
 Synthesises tokens per trace block id so the real hashing and index code run, then
 simulates a P prefill + D decode cluster (optionally a remote prefill cluster behind
-a bandwidth-limited link) with per-instance HBM/DRAM caches and a global pool, all
-LRU. Time comes from the cost model, never the wall clock: a fixed seed gives
-identical results. Prints a table per policy (hit rate local / pool / peer and its
-fraction of the infinite-cache oracle, recomputed tokens, TTFT / TPOT percentiles,
-SLO attainment, KV bytes moved, rejections, decision time); --json for machines;
+a bandwidth-limited link) whose capacities and bandwidths come from a node preset
+(--node-preset: HBM left for KV after weights and activations, host DRAM, NIC, PCIe).
+Time comes from the cost model, never the wall clock: a fixed seed gives identical
+results. Prints a table per policy (hit rate local / pool / peer and its fraction of
+the infinite-cache oracle, rejected requests and input tokens, TTFT mean and
+percentiles, TPOT, SLO attainment, KV bytes moved, decision time); --json for machines;
 --plots DIR for PNGs; --goodput to search the highest rate meeting the SLOs.
 
-example:
-  kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric,sglang --speedup 1.5
+The trace is JSON lines, one request per line (docs/scheduler.md, "Trace format"):
+  {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [block ids]}
+or a generated workload: --workload agent|docqa|chat [--workload-opt KNOB=VALUE ...].
+
+examples:
+  kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric-noreject,dynamo --speedup 1.5
+  kvpool sim --workload docqa --workload-opt requests=3000 --write-trace docqa.jsonl --no-peer-fetch
 """
 
 from __future__ import annotations
@@ -127,8 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpool.core.errors import KVPoolError
     from kvpool.scheduler.cluster import Slo
-    from kvpool.scheduler.hardware import cluster_from_preset, get_node_preset
     from kvpool.scheduler.cost_model import load_cost_model
+    from kvpool.scheduler.hardware import cluster_from_preset, get_node_preset
     from kvpool.scheduler.metrics import format_table
     from kvpool.scheduler.policies import PD_POLICIES, policy_names
     from kvpool.scheduler.runner import Workload, goodput, run_policy
