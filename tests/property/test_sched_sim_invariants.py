@@ -19,6 +19,13 @@ from kvpool.scheduler.trace import TraceRequest
 COST = get_preset("llama3-70b-a800x8")
 
 
+def cluster(prefill: int, decode: int, remote: int, **kw: object) -> ClusterSpec:
+    """A small cluster: tiny decode budget and batch, so waits and evictions happen."""
+    base: dict[str, object] = dict(decode_kv_capacity_tokens=20_000, max_decode_batch=4)
+    base.update(kw)
+    return ClusterSpec(num_prefill=prefill, num_decode=decode, num_remote_prefill=remote, **base)  # type: ignore[arg-type]
+
+
 @st.composite
 def traces(draw: st.DrawFn) -> list[TraceRequest]:
     n = draw(st.integers(1, 25))
@@ -64,16 +71,7 @@ def test_replay_invariants(
     speedup: float,
     seed: int,
 ) -> None:
-    spec = ClusterSpec(
-        num_prefill=prefill,
-        num_decode=decode,
-        num_remote_prefill=remote,
-        hbm_blocks=8,
-        dram_blocks=8,
-        pool_blocks=pool,
-        decode_kv_capacity_tokens=20_000,
-        max_decode_batch=4,
-    )
+    spec = cluster(prefill, decode, remote, hbm_blocks=8, dram_blocks=8, pool_blocks=pool)
     slo = Slo(5_000, 100)
     s1, o1 = run_policy(Workload.of(trace), spec, COST, policy, slo, speedup=speedup, seed=seed)
     assert (o1.decided == 1).all()
@@ -117,17 +115,15 @@ def test_the_index_names_exactly_the_blocks_the_caches_hold(
 ) -> None:
     """Checked after every request and at the end: an index bit is set iff that member's cache
     (HBM, DRAM or the pool) holds the block, so no hit is ever counted on an evicted block."""
-    spec = ClusterSpec(
-        num_prefill=prefill,
-        num_decode=decode,
-        num_remote_prefill=remote,
+    spec = cluster(
+        prefill,
+        decode,
+        remote,
         hbm_blocks=hbm,
         dram_blocks=dram,
         pool_blocks=pool,
         peer_fetch=peers,
-        decode_kv_capacity_tokens=20_000,
-        max_decode_batch=4,
-        decode_prefill_mode=mode,  # type: ignore[arg-type]
+        decode_prefill_mode=mode,
         chunk_tokens=512,
     )
     work = Workload.of(trace)
@@ -143,15 +139,7 @@ def test_an_empty_cluster_without_caches_hits_nothing(
     trace: list[TraceRequest], policy: str, prefill: int, decode: int, remote: int
 ) -> None:
     """No HBM cache, no DRAM, no pool, no peers: nothing can hit (the phantom-hit regression)."""
-    spec = ClusterSpec(
-        num_prefill=prefill,
-        num_decode=decode,
-        num_remote_prefill=remote,
-        hbm_blocks=0,
-        dram_blocks=0,
-        pool_blocks=0,
-        peer_fetch=False,
-    )
+    spec = cluster(prefill, decode, remote, hbm_blocks=0, dram_blocks=0, pool_blocks=0, peer_fetch=False)
     s, out = run_policy(Workload.of(trace), spec, COST, policy, Slo(5_000, 100))
     assert s.hit_rate == 0.0
     assert int((out.hit_local + out.hit_pool + out.hit_peer).sum()) == 0
