@@ -214,7 +214,7 @@ def _goodput_one(name: str, spec: ClusterSpec, policy: str) -> tuple[float, list
     def attainment(s: float) -> float:
         return _run((name, spec, policy, s)).slo_attainment
 
-    return goodput_search(attainment, lo=0.5, hi=2.0, steps=2)
+    return goodput_search(attainment, lo=0.125, hi=2.0, steps=2)
 
 
 def part_capacity(name: str, speedup: float, n_jobs: int) -> dict[str, Any]:
@@ -306,7 +306,7 @@ def main() -> int:
             xs = [c if c is not None else 200_000_000 for c in cap["capacities_tokens"]]
             P.capacity_curve(plots / "sched_capacity_curve.png", xs, cap["ttft_mean_ms"])
     if "goodput" in parts:
-        pols = ("least-loaded", "dynamo", "llm-d", "prefix-only", "kv-centric-noreject", "kv-centric")
+        pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject", "kv-centric")
         save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs))
     if "decision" in parts:
         save("decision", bench_decision())
