@@ -1,16 +1,21 @@
 """KV-centric placement (Mooncake's Conductor, FAST'25 section 5).
 
-For every prefill instance, predict TTFT = queue + fetch of the part of the best
-prefix it does not hold locally (from the pool or a peer) + prefill of the missed
-tokens + KV transfer to the decode instance, all from the cost model; take the
-minimum. The decode instance is the one with the lowest predicted TPOT. Then:
+The decode instance is the one with the lowest predicted TPOT. For every prefill
+instance, predict TTFT = queue + fetch-or-recompute of the part of the best prefix it
+does not hold (from the pool or a peer, behind their NIC queues) + prefill of the
+missed tokens + the whole prefix's KV to that decode instance, all from the cost model
+(``ClusterState.plan_ttft_vector``). Then:
 
-* prediction-based early rejection: if even the best TTFT or TPOT misses the
-  request's SLO, reject now rather than waste prefill on a request that would fail
-  (and delay others);
-* hot-block replication: blocks hit at least ``hot_threshold`` times are listed in
-  the decision to be (re)placed in the global pool, so a hot prefix survives the
-  eviction of the instance caches holding it.
+* prefix affinity balanced against load: among the instances within ``affinity_slack``
+  (10%) of the best predicted TTFT, take the one holding the longest local prefix, so a
+  prefix stays where it lives instead of being copied into -- and evicting other
+  prefixes from -- another instance's cache; with capacities smaller than the reused
+  working set this keeps the caches partitioned (docs/scheduler.md, "The regime");
+* prediction-based early rejection (``reject``): if even the best TTFT or TPOT misses
+  the request's SLO, reject now rather than waste prefill on a request that would fail
+  (reported apart: rejected requests and their input tokens);
+* hot-block replication: blocks hit at least ``hot_threshold`` times are listed in the
+  decision to be (re)placed in the global pool.
 """
 
 from __future__ import annotations
