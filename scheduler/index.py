@@ -62,6 +62,10 @@ class LocationIndex:
             else:
                 del loc[h]
 
+    def items(self) -> list[tuple[bytes, int]]:
+        """(hash, member mask) for every indexed block (a snapshot, for consistency checks)."""
+        return list(self._loc.items())
+
     def mask(self, h: bytes) -> int:
         return self._loc.get(h, 0)
 
@@ -170,6 +174,11 @@ class LruCache:
     def keys(self) -> list[bytes]:
         return list(self._d)
 
+    def recency(self) -> OrderedDict[bytes, None]:
+        """The LRU order itself (oldest first), for a caller's fast refresh path: moving a present
+        key to the end is exactly ``insert`` of a present key."""
+        return self._d
+
     def discard(self, h: bytes) -> None:
         """Forget ``h`` without calling ``on_leave`` (it moved to another tier of the same member)."""
         self._d.pop(h, None)
@@ -268,6 +277,9 @@ class TieredCache:
 
     def __len__(self) -> int:
         return len(self.hbm) + len(self.dram)
+
+    def keys(self) -> list[bytes]:
+        return self.hbm.keys() + self.dram.keys()
 
     def dram_only(self, hashes: Sequence[bytes]) -> int:
         """How many of ``hashes`` sit only in DRAM (they cost a PCIe copy up to HBM)."""

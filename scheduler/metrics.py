@@ -37,6 +37,8 @@ class Summary:
     requests: int
     served: int
     rejected: int
+    rejected_input_tokens: int
+    rejected_token_share: float  # rejected input tokens / all input tokens
     hit_rate: float
     hit_local: float
     hit_pool: float
@@ -44,6 +46,7 @@ class Summary:
     oracle_hit_rate: float
     oracle_fraction: float
     recomputed_tokens: int
+    ttft_mean_ms: float  # over served requests
     ttft_p50_ms: float
     ttft_p90_ms: float
     ttft_p99_ms: float
@@ -51,6 +54,7 @@ class Summary:
     tpot_p50_ms: float
     tpot_p90_ms: float
     tpot_p99_ms: float
+    pause_p99_ms: float  # the longest extra gap between two tokens of a request (local prefills), p99
     slo_attainment: float
     kv_bytes_moved: float
     decision_p50_us: float
@@ -87,6 +91,8 @@ def summarize(
         requests=out.n,
         served=int(served.sum()),
         rejected=int(out.rejected.sum()),
+        rejected_input_tokens=int(out.input_tokens[out.rejected].sum()),
+        rejected_token_share=float(out.input_tokens[out.rejected].sum()) / max(1, int(out.input_tokens.sum())),
         hit_rate=hit,
         hit_local=hl / denom,
         hit_pool=hp / denom,
@@ -94,6 +100,7 @@ def summarize(
         oracle_hit_rate=oracle_hit_rate,
         oracle_fraction=(hl + hp + hr) / oracle_served if oracle_served else float("nan"),
         recomputed_tokens=int(out.new_tokens[served].sum()),
+        ttft_mean_ms=float(np.nanmean(out.ttft_ms)) if served.any() else float("nan"),
         ttft_p50_ms=pct(out.ttft_ms, 50),
         ttft_p90_ms=pct(out.ttft_ms, 90),
         ttft_p99_ms=pct(out.ttft_ms, 99),
@@ -101,6 +108,7 @@ def summarize(
         tpot_p50_ms=pct(out.tpot_ms, 50),
         tpot_p90_ms=pct(out.tpot_ms, 90),
         tpot_p99_ms=pct(out.tpot_ms, 99),
+        pause_p99_ms=pct(out.max_pause_ms, 99),
         slo_attainment=float(ok.sum()) / max(1, out.n),
         kv_bytes_moved=float(np.nansum(out.bytes_moved)),
         decision_p50_us=float(np.percentile(dec_us, 50)),
@@ -163,7 +171,9 @@ def format_table(rows: list[Summary]) -> str:
         "peer",
         "/oracle",
         "rej",
+        "rej tok",
         "recomp Mtok",
+        "TTFT mean",
         "TTFT p50",
         "p90",
         "p99",
@@ -188,7 +198,9 @@ def format_table(rows: list[Summary]) -> str:
                 f"{r.hit_peer:.1%}",
                 f"{r.oracle_fraction:.1%}",
                 str(r.rejected),
+                f"{r.rejected_token_share:.1%}",
                 f"{r.recomputed_tokens / 1e6:.1f}",
+                f"{r.ttft_mean_ms:.0f}",
                 f"{r.ttft_p50_ms:.0f}",
                 f"{r.ttft_p90_ms:.0f}",
                 f"{r.ttft_p99_ms:.0f}",

@@ -76,3 +76,19 @@ def goodput_vs_rate(
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     _save(plt, fig, ax, path)
+
+
+def capacity_curve(
+    path: str | pathlib.Path,
+    capacities_tokens: Sequence[float],
+    ttft_by_policy: Mapping[str, Sequence[float]],
+    xlabel: str = "global pool capacity (M tokens; rightmost = unbounded)",
+) -> None:
+    """Mean TTFT per policy against a capacity: where the curves meet, placement stops mattering."""
+    plt, fig, ax = _axes()
+    for name, ttft in ttft_by_policy.items():
+        ax.plot(np.asarray(capacities_tokens) / 1e6, np.asarray(ttft) / 1000.0, marker="o", label=name)
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean TTFT (s, served requests)")
+    _save(plt, fig, ax, path)

@@ -12,6 +12,7 @@ from kvpool.scheduler.policy_dynamo import DynamoCostPolicy
 from kvpool.scheduler.policy_kv_centric import KvCentricPolicy
 from kvpool.scheduler.policy_least_loaded import LeastLoadedPolicy
 from kvpool.scheduler.policy_llmd import LlmdWeightedPolicy
+from kvpool.scheduler.policy_paas import PaasPolicy
 from kvpool.scheduler.policy_prefix import PrefixPolicy
 from kvpool.scheduler.policy_random import RandomPolicy
 from kvpool.scheduler.policy_remote_prefill import RemotePrefillPolicy
@@ -29,6 +30,7 @@ _FACTORIES: dict[str, Callable[[int], Policy]] = {
     "kv-centric": lambda seed: KvCentricPolicy(),
     "kv-centric-noreject": lambda seed: KvCentricPolicy(reject=False),
     "remote-prefill": lambda seed: RemotePrefillPolicy(),
+    "paas": lambda seed: PaasPolicy(),
 }
 
 #: Policies for a P+D disaggregated cluster (remote-prefill wants remote instances instead).

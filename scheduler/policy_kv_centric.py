@@ -1,16 +1,21 @@
 """KV-centric placement (Mooncake's Conductor, FAST'25 section 5).
 
-For every prefill instance, predict TTFT = queue + fetch of the part of the best
-prefix it does not hold locally (from the pool or a peer) + prefill of the missed
-tokens + KV transfer to the decode instance, all from the cost model; take the
-minimum. The decode instance is the one with the lowest predicted TPOT. Then:
+The decode instance is the one with the lowest predicted TPOT. For every prefill
+instance, predict TTFT = queue + fetch-or-recompute of the part of the best prefix it
+does not hold (from the pool or a peer, behind their NIC queues) + prefill of the
+missed tokens + the whole prefix's KV to that decode instance, all from the cost model
+(``ClusterState.plan_ttft_vector``). Then:
 
-* prediction-based early rejection: if even the best TTFT or TPOT misses the
-  request's SLO, reject now rather than waste prefill on a request that would fail
-  (and delay others);
-* hot-block replication: blocks hit at least ``hot_threshold`` times are listed in
-  the decision to be (re)placed in the global pool, so a hot prefix survives the
-  eviction of the instance caches holding it.
+* prefix affinity balanced against load: among the instances within ``affinity_slack``
+  (10%) of the best predicted TTFT, take the one holding the longest local prefix, so a
+  prefix stays where it lives instead of being copied into -- and evicting other
+  prefixes from -- another instance's cache; with capacities smaller than the reused
+  working set this keeps the caches partitioned (docs/scheduler.md, "The regime");
+* prediction-based early rejection (``reject``): if even the best TTFT or TPOT misses
+  the request's SLO, reject now rather than waste prefill on a request that would fail
+  (reported apart: rejected requests and their input tokens);
+* hot-block replication: blocks hit at least ``hot_threshold`` times are listed in the
+  decision to be (re)placed in the global pool.
 """
 
 from __future__ import annotations
@@ -24,8 +29,15 @@ from kvpool.scheduler.policy_base import Policy, prefill_candidates
 class KvCentricPolicy(Policy):
     name = "kv-centric"
 
-    def __init__(self, hot_threshold: int = 4, max_tracked_blocks: int = 200_000, reject: bool = True) -> None:
+    def __init__(
+        self,
+        hot_threshold: int = 4,
+        max_tracked_blocks: int = 200_000,
+        reject: bool = True,
+        affinity_slack: float = 0.1,
+    ) -> None:
         self.hot_threshold = hot_threshold
+        self.affinity_slack = affinity_slack
         self.max_tracked_blocks = max_tracked_blocks
         self.reject = reject
         self._hits: dict[bytes, int] = {}  # insertion-ordered: the oldest-seen counts go first
@@ -34,17 +46,24 @@ class KvCentricPolicy(Policy):
         cands, kind = prefill_candidates(state)
         lens = state.prefix_lengths(req.hashes)
         if kind == "instance":
-            ttft, reach = state.plan_ttft_vector(req, cands, lens)
+            tpot = state.predicted_tpot_ms(req, state.decode_slice)
+            j = int(np.argmin(tpot))
+            d, best_tpot = int(state.decode_arr[j]), float(tpot[j])
+            ttft, reach = state.plan_ttft_vector(req, state.prefill_slice, lens, d)
         else:  # no prefill instances: prefill on the decode node that would also decode
             plans = [state.plan_prefill(req, int(m), lens, int(m)) for m in cands]
             ttft = np.array([pl.ttft_ms for pl in plans])
             reach = np.array([pl.hit_blocks for pl in plans])
         i = int(np.argmin(ttft))
+        if self.affinity_slack > 0:
+            # keep a prefix where it already lives when that costs little now: a duplicate on
+            # another instance would evict other prefixes there (the caches stay partitioned)
+            # the longest local prefix within the slack, ties to the lower TTFT (TTFTs are < 1e12 ms)
+            key = np.where(ttft <= ttft[i] * (1.0 + self.affinity_slack), lens[cands] * 1e12 - ttft, -np.inf)
+            i = int(np.argmax(key))
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
-        dec = state.decode_arr if kind == "instance" else np.array([p])
-        tpot = state.predicted_tpot_ms(req, dec)
-        j = int(np.argmin(tpot))
-        d, best_tpot = int(dec[j]), float(tpot[j])
+        if kind != "instance":
+            d, best_tpot = p, float(state.predicted_tpot_ms(req, np.array([p]))[0])
         if self.reject and best_ttft > req.slo.ttft_ms:
             return Decision.reject(
                 f"predicted TTFT {best_ttft:.0f} ms > SLO {req.slo.ttft_ms:.0f} ms", best_ttft, best_tpot

@@ -121,9 +121,10 @@ class RemotePrefillPolicy(Policy):
         link_tokens_per_ms = spec.remote_link_bandwidth_bytes_per_s / 1000.0 / cost.kv_bytes_per_token
         lengths = np.sort(np.array([u for _, u in self._window], dtype=np.float64))[::-1]
         mean_len = max(1.0, float(lengths.mean()))
-        tokens_per_ms_one = mean_len / float(cost.prefill_ms(mean_len, 0))
-        remote_cap = min(link_tokens_per_ms, len(state.remote_arr) * tokens_per_ms_one)
-        local_cap = len(state.decode_arr) * self.local_prefill_fraction * tokens_per_ms_one
+        remote_one = mean_len / float(state.role_cost["remote"].prefill_ms(mean_len, 0))
+        local_one = mean_len / float(state.role_cost["decode"].prefill_ms(mean_len, 0))
+        remote_cap = min(link_tokens_per_ms, len(state.remote_arr) * remote_one)
+        local_cap = len(state.decode_arr) * self.local_prefill_fraction * local_one
         demand = np.cumsum(lengths) / span_ms  # remote demand if the top-k lengths go remote
         target = min(demand[-1] * remote_cap / (remote_cap + local_cap), self.target_utilization * remote_cap)
         k = int(np.searchsorted(demand, target, side="right"))

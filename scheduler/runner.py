@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +59,9 @@ def run_policy(
     speedup: float = 1.0,
     seed: int = 0,
     progress: bool = False,
+    role_costs: Mapping[str, CostModel] | None = None,
 ) -> tuple[Summary, RequestOutcome]:
+    """One replay; ``role_costs`` gives prefill / decode / remote instances their own hardware."""
     sim = Simulator(
         spec,
         cost,
@@ -68,6 +70,7 @@ def run_policy(
         speedup=speedup,
         hasher=work.hasher,
         progress=progress_bar(f"{policy} x{speedup:g}") if progress else None,
+        role_costs=role_costs,
     )
     out = sim.run(work.trace)
     return summarize(policy, out, slo, work.oracle_blocks, speedup, work.base_rate_rps, sim.last_time_ms), out

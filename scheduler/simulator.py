@@ -2,17 +2,30 @@
 
 Time comes from the cost model only (never the wall clock), so a fixed seed gives
 identical results. Requests are taken in arrival order; before each arrival the
-simulator applies every event due by then (a prefill finishing makes its blocks
-visible in the caches and the pool; a decode finishing frees its KV), updates the
-shared ``ClusterState``, asks the policy, and executes the decision with the same
-arithmetic the policies predict with (``ClusterState.plan_prefill``) plus what a
-prediction cannot see: which local blocks only sit in DRAM (a PCIe copy), waiting
-for decode KV room, and the stall local prefills cause to running decodes.
+simulator applies every event due by then, updates the shared ``ClusterState``, asks
+the policy, and executes the decision with the same arithmetic the policies predict
+with (``ClusterState.plan_prefill``) plus what a prediction cannot see: which local
+blocks only sit in DRAM (a PCIe copy) and waiting for decode KV room.
+
+Guarantees (each checked by a test in tests/property/test_sched_sim_invariants.py or
+tests/unit/test_sched_sim.py):
+
+* a block enters a tier only when its bytes have arrived: the prefill member at the
+  end of the prefill, the decode member when the KV transfer ends, the pool when the
+  write-through after the prefill ends;
+* the index and the caches agree at every step (``check_consistency``): an index bit
+  is set before the cache insert that may evict it, so eviction always clears it;
+* a prefill on a decode node slows the decodes *running while it runs*: an event at
+  its start stalls them ("stall" mode: by the whole prefill; "chunked": by the chunks'
+  compute), and a decode admitted during it starts late by the part still to come;
+* the decode node receives the whole prefix's KV (not only the new tokens), minus the
+  prefix it already holds.
 
 Modelled simplifications (documented in docs/scheduler.md): each prefill instance
 runs one prefill at a time, FIFO; a request's TPOT is fixed when it joins a decode
-batch (from the batch it joins) plus the stalls it later suffers; the network is
-contention-free except the remote-prefill link, which is FIFO.
+batch (from the batch it joins) plus the stalls it later suffers; NICs are FIFO
+reservations in decision order (full duplex), the pool's own NICs are not modelled,
+and the remote-prefill link is one FIFO.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +41,12 @@ import numpy as np
 
 from kvpool.core.errors import InternalError, InvalidArgument
 from kvpool.scheduler.cluster import ClusterSpec, ClusterState, Decision, RouteRequest, Slo
-from kvpool.scheduler.cost_model import CostModel
-from kvpool.scheduler.index import TieredCache, make_cache
+from kvpool.scheduler.cost_model import CostModel, transfer_ms
+from kvpool.scheduler.index import LruCache, PolicyCache, TieredCache, make_cache
 from kvpool.scheduler.policy_base import Policy
 from kvpool.scheduler.trace import TraceHasher, TraceRequest
 
-_INSERT, _PREFILL_DONE, _DECODE_JOIN, _DECODE_DONE = 0, 1, 2, 3
+_INSERT, _PREFILL_DONE, _DECODE_JOIN, _DECODE_DONE, _PREFILL_START = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -54,13 +67,22 @@ class RequestOutcome:
     new_tokens: np.ndarray = field(init=False)
     input_tokens: np.ndarray = field(init=False)
     bytes_moved: np.ndarray = field(init=False)
+    max_pause_ms: np.ndarray = field(init=False)  # the longest extra gap between two output tokens (local prefill)
     prefill_kind: np.ndarray = field(init=False)  # 0 instance, 1 decode-local, 2 remote, -1 rejected
     decision_ns: np.ndarray = field(init=False)
     decided: np.ndarray = field(init=False)  # how many times the request was decided (must be 1)
 
     def __post_init__(self) -> None:
         n = self.n
-        for name in ("arrival_ms", "ttft_ms", "tpot_ms", "finish_ms", "prefill_start_ms", "bytes_moved"):
+        for name in (
+            "arrival_ms",
+            "ttft_ms",
+            "tpot_ms",
+            "finish_ms",
+            "prefill_start_ms",
+            "bytes_moved",
+            "max_pause_ms",
+        ):
             setattr(self, name, np.full(n, np.nan))
         for name in (
             "blocks",
@@ -91,13 +113,16 @@ class Simulator:
         speedup: float = 1.0,
         hasher: TraceHasher | None = None,
         progress: Callable[[int, int], None] | None = None,
+        check_every: int = 0,
+        role_costs: Mapping[str, CostModel] | None = None,
     ) -> None:
         if not speedup > 0:
             raise InvalidArgument(f"speedup must be positive, got {speedup}")
         self.spec, self.cost, self.policy, self.slo, self.speedup = spec, cost, policy, slo, speedup
         self.hasher = hasher or TraceHasher()
         self.progress = progress
-        self.state = ClusterState(spec, cost)
+        self.check_every = check_every  # > 0: check_consistency after every N-th request (tests)
+        self.state = ClusterState(spec, cost, role_costs)
         index = self.state.index
         self.local: list[TieredCache] = [
             TieredCache(spec.hbm_blocks, spec.dram_blocks, lambda h, m=m: index.remove(h, m), spec.eviction)
@@ -110,6 +135,8 @@ class Simulator:
         # per decode member: running [finish_ms, kv_tokens, request index, decode start ms], and a FIFO of waiters
         self._running: dict[int, list[list[float]]] = {int(m): [] for m in self.state.decode_arr}
         self._waiting: dict[int, deque[int]] = {int(m): deque() for m in self.state.decode_arr}
+        # per decode member: the local prefill running now, (start ms, end ms, stall it adds to a decode)
+        self._window: dict[int, tuple[float, float, float]] = {int(m): (0.0, 0.0, 0.0) for m in self.state.decode_arr}
         self.replicated_blocks = 0
         self.last_time_ms = 0.0
 
@@ -135,6 +162,12 @@ class Simulator:
                 member, tokens = payload
                 self.state.outstanding_tokens[member] -= tokens
                 self.state.outstanding_requests[member] -= 1
+            elif kind == _PREFILL_START:
+                d, end, stall, pause = payload
+                for a in self._running[d]:  # every decode running now waits for (or shares with) the prefill
+                    a[0] += stall
+                    a[4] = max(a[4], pause)
+                self._window[d] = (t, end, stall)
             elif kind == _DECODE_JOIN:
                 d, idx = payload
                 self._waiting[d].append(idx)
@@ -164,8 +197,12 @@ class Simulator:
                 return
             waiting.popleft()  # an idle node always admits (a request larger than the node still runs)
             n_out = int(self._out_tokens[i])
-            tpot = float(self.cost.decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2))
-            entry = [t + max(0, n_out - 1) * tpot, float(kv_tokens), float(i), t]
+            tpot = float(
+                self.state.role_cost["decode"].decode_step_ms(active + 1, ctx + int(out.input_tokens[i]) + n_out // 2)
+            )
+            w_start, w_end, w_stall = self._window[d]
+            delay = w_stall * (w_end - t) / (w_end - w_start) if w_start <= t < w_end else 0.0
+            entry = [t + delay + max(0, n_out - 1) * tpot, float(kv_tokens), float(i), t, 0.0]
             self._running[d].append(entry)
             state.decode_active[d] += 1
             state.decode_context_tokens[d] += kv_tokens
@@ -173,9 +210,10 @@ class Simulator:
             self._push(entry[0], _DECODE_DONE, (d, entry))
 
     def _retire(self, d: int, a: list[float]) -> None:
-        finish, kv_tokens, idx, start = a
+        finish, kv_tokens, idx, start, pause = a
         i = int(idx)
         out = self.out
+        out.max_pause_ms[i] = pause
         out.finish_ms[i] = finish
         out.tpot_ms[i] = (finish - start) / max(1, self._out_tokens[i] - 1)
         self.state.decode_active[d] -= 1
@@ -183,17 +221,43 @@ class Simulator:
         self._running[d].remove(a)
 
     def _insert(self, members: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Blocks whose bytes have arrived at ``members`` (instances or the pool member).
+
+        The index bit is set *before* the cache insert: an insert can evict (even the block
+        itself, at capacity 0), and the eviction's callback must find the bit to clear it, so
+        a bit is never left behind for a block the cache no longer holds.
+        """
         index = self.state.index
+        pool_member = self.spec.pool_member
         for m in members:
-            cache = self.local[m]
+            if m == pool_member:
+                if self.spec.pool_blocks == 0:
+                    continue
+                cache: TieredCache | LruCache | PolicyCache = self.pool
+            else:
+                cache = self.local[m]
+            hot = cache.hbm.recency() if isinstance(cache, TieredCache) else None
             for h in hashes:
+                if hot is not None and h in hot:  # fast path: already in HBM, its bit is set
+                    hot.move_to_end(h)
+                    continue
+                index.add(h, m)
                 cache.insert(h)
-            index.add_many(hashes, m)
-        if self.spec.pool_blocks != 0:
-            pool = self.pool
-            for h in hashes:
-                pool.insert(h)
-            index.add_many(hashes, self.spec.pool_member)
+
+    def check_consistency(self) -> None:
+        """Every index bit names a member whose cache holds the block, and vice versa."""
+        index, pool_member = self.state.index, self.spec.pool_member
+        held: dict[bytes, int] = {}
+        tiers: list[tuple[int, list[bytes]]] = [(m, c.keys()) for m, c in enumerate(self.local)]
+        tiers.append((pool_member, self.pool.keys()))
+        for m, blocks in tiers:
+            for h in blocks:
+                held[h] = held.get(h, 0) | (1 << m)
+        for h, mask in index.items():
+            if held.get(h, 0) != mask:
+                raise InternalError(f"index says {mask:b} holds {h.hex()}, the caches say {held.get(h, 0):b}")
+        if len(held) != len(index):
+            raise InternalError(f"{len(held)} blocks cached but {len(index)} indexed")
 
     # ---- the run ------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RequestOutcome:
@@ -219,9 +283,13 @@ class Simulator:
             else:
                 self._execute(i, req, decision, now)
             self.policy.observe(req, decision, state)
+            if self.check_every and i % self.check_every == 0:
+                self.check_consistency()
             if self.progress is not None and (i % step == 0 or i == n - 1):
                 self.progress(i + 1, n)
         self._advance(float("inf"))  # every remaining event (decode completions may re-queue after stalls)
+        if self.check_every:
+            self.check_consistency()
         return out
 
     def _check(self, d: Decision) -> None:
@@ -235,50 +303,54 @@ class Simulator:
 
     def _execute(self, i: int, req: RouteRequest, d: Decision, now: float) -> None:
         self._check(d)
-        state, spec, cost, out = self.state, self.spec, self.cost, self.out
+        state, spec, out = self.state, self.spec, self.out
         m, dm = d.prefill_member, d.decode_member
         lens = state.prefix_lengths(req.hashes)
         local_len = min(int(lens[m]), len(req.hashes))
         cache = self.local[m]
         dram_only = cache.dram_only(req.hashes[:local_len])
         plan = state.plan_prefill(req, m, lens, dm, dram_only)
-        # a hit refreshes recency where it was found
-        for h in req.hashes[:local_len]:
+        for h in req.hashes[:local_len]:  # a hit refreshes recency where it was found
             cache.insert(h)
         if plan.pool_blocks:
             for h in req.hashes[local_len : local_len + plan.pool_blocks]:
                 self.pool.touch(h)
-        moved = (plan.pool_blocks + plan.peer_blocks) * state.block_bytes
-        if d.replicate_hashes and spec.pool_blocks != 0:
-            fresh = [h for h in d.replicate_hashes if h not in self.pool]
-            self.replicated_blocks += len(fresh)
-            moved += len(fresh) * state.block_bytes
-            self._insert((), d.replicate_hashes)
-        start = now + plan.queue_ms
-        done = start + plan.fetch_ms + plan.prefill_ms
+        bb = state.block_bytes
+        moved = plan.hit_blocks * bb - local_len * bb + plan.to_decode_bytes
+        if plan.fetch_source >= 0:  # the fetch holds the receiver's NIC and a serving peer's
+            state.nic_in_busy_until_ms[m] = max(state.nic_in_busy_until_ms[m], plan.fetch_end_ms)
+            state.nic_out_busy_until_ms[plan.fetch_source] = max(
+                state.nic_out_busy_until_ms[plan.fetch_source], plan.fetch_end_ms
+            )
+        done, first = plan.done_ms, plan.first_token_ms
         state.busy_until_ms[m] = done
         state.outstanding_tokens[m] += plan.new_tokens
         state.outstanding_requests[m] += 1
         self._push(done, _PREFILL_DONE, (m, plan.new_tokens))
+        self._push(done, _INSERT, ((m,), req.hashes))  # computed or fetched: on the prefill member now
         kind = d.prefill_kind
-        if kind == "remote":  # the plan's to_decode_ms already waits for the FIFO link
-            first = done + plan.to_decode_ms
+        if kind == "remote":
             state.link_busy_until_ms = first
-            moved += plan.new_tokens * cost.kv_bytes_per_token
-            self._push(done, _INSERT, ((m,), req.hashes))
-            self._push(first, _INSERT, ((dm,), req.hashes))
-        elif kind == "decode_local":
-            first = done
-            self._push(done, _INSERT, ((m,), req.hashes))
-            stall = done - max(start, now)
-            for a in self._running[dm]:  # running decodes on this node wait for the prefill
-                a[0] += stall
+        elif plan.to_decode_bytes:
+            state.nic_out_busy_until_ms[m] = max(state.nic_out_busy_until_ms[m], first)
+            state.nic_in_busy_until_ms[dm] = max(state.nic_in_busy_until_ms[dm], first)
+        if kind == "decode_local":
+            pieces = -(-plan.new_tokens // spec.chunk_tokens) if spec.decode_prefill_mode == "chunked" else 1
+            self._push(plan.prefill_start_ms, _PREFILL_START, (dm, done, plan.stall_ms, plan.stall_ms / pieces))
         else:
-            first = done + plan.to_decode_ms
-            moved += req.input_tokens * cost.kv_bytes_per_token
-            self._push(done, _INSERT, ((m,), req.hashes))
+            self._push(first, _INSERT, ((dm,), req.hashes))  # the decode node holds the KV once it arrives
+        if spec.pool_blocks != 0:
+            # new blocks are written to the pool after the prefill (from the decode node after a remote
+            # prefill: the pool is local); they are in the pool once their bytes are
+            writer_ms = first if kind == "remote" else done
+            missing = sum(1 for h in req.hashes if h not in self.pool)  # write-through: the pool gets the prefix
+            self.replicated_blocks += sum(1 for h in d.replicate_hashes if h not in self.pool)
+            put_bytes = missing * bb
+            arrive = writer_ms + float(transfer_ms(put_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
+            moved += put_bytes
+            self._push(arrive, _INSERT, ((spec.pool_member,), req.hashes))
         self._push(first, _DECODE_JOIN, (dm, i))
-        out.prefill_start_ms[i] = start
+        out.prefill_start_ms[i] = plan.prefill_start_ms
         out.hit_local[i] = plan.local_blocks
         out.hit_pool[i] = plan.pool_blocks
         out.hit_peer[i] = plan.peer_blocks

@@ -2,15 +2,21 @@
 
 Synthesises tokens per trace block id so the real hashing and index code run, then
 simulates a P prefill + D decode cluster (optionally a remote prefill cluster behind
-a bandwidth-limited link) with per-instance HBM/DRAM caches and a global pool, all
-LRU. Time comes from the cost model, never the wall clock: a fixed seed gives
-identical results. Prints a table per policy (hit rate local / pool / peer and its
-fraction of the infinite-cache oracle, recomputed tokens, TTFT / TPOT percentiles,
-SLO attainment, KV bytes moved, rejections, decision time); --json for machines;
+a bandwidth-limited link) whose capacities and bandwidths come from a node preset
+(--node-preset: HBM left for KV after weights and activations, host DRAM, NIC, PCIe).
+Time comes from the cost model, never the wall clock: a fixed seed gives identical
+results. Prints a table per policy (hit rate local / pool / peer and its fraction of
+the infinite-cache oracle, rejected requests and input tokens, TTFT mean and
+percentiles, TPOT, SLO attainment, KV bytes moved, decision time); --json for machines;
 --plots DIR for PNGs; --goodput to search the highest rate meeting the SLOs.
 
-example:
-  kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric,sglang --speedup 1.5
+The trace is JSON lines, one request per line (docs/scheduler.md, "Trace format"):
+  {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [block ids]}
+or a generated workload: --workload agent|docqa|chat [--workload-opt KNOB=VALUE ...].
+
+examples:
+  kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric-noreject,dynamo --speedup 1.5
+  kvpool sim --workload docqa --workload-opt requests=3000 --write-trace docqa.jsonl --no-peer-fetch
 """
 
 from __future__ import annotations
@@ -44,6 +50,27 @@ def _finite(obj: object) -> object:
     return obj
 
 
+def _workload_opts(items: list[str]) -> dict[str, object]:
+    """``knob=value`` strings -> WorkloadSpec fields: ints, floats, or ``lo:hi`` ranges."""
+    from kvpool.core.errors import InvalidArgument
+
+    out: dict[str, object] = {}
+    for item in items:
+        for part in filter(None, item.split(",")):
+            key, sep, text = part.partition("=")
+            if not sep:
+                raise InvalidArgument(f"--workload-opt {part!r} is not KNOB=VALUE")
+            try:
+                if ":" in text:
+                    lo, hi = text.split(":", 1)
+                    out[key.strip()] = (int(lo), int(hi))
+                else:
+                    out[key.strip()] = int(text) if text.strip().lstrip("-").isdigit() else float(text)
+            except ValueError:
+                raise InvalidArgument(f"--workload-opt {part!r}: {text!r} is not a number or lo:hi") from None
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -52,24 +79,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="all-pd",
         help="comma list of policies, 'all-pd' (every P+D policy) or 'all' (default: %(default)s)",
     )
+    parser.add_argument(
+        "--workload",
+        choices=("agent", "docqa", "chat"),
+        help="replay a generated workload instead of --trace (knobs: --workload-opt, docs/scheduler.md)",
+    )
+    parser.add_argument(
+        "--workload-opt",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="a WorkloadSpec field, e.g. requests=3000, rate_rps=2, zipf_a=1.3, turn_tokens=200:800 (repeatable)",
+    )
+    parser.add_argument("--write-trace", metavar="PATH", help="also write the (generated) trace as JSONL to PATH")
     parser.add_argument("--prefill", type=int, default=8, help="prefill instances (default: %(default)s)")
     parser.add_argument("--decode", type=int, default=4, help="decode instances (default: %(default)s)")
     parser.add_argument("--remote-prefill", type=int, default=0, help="remote prefill instances (default: 0)")
-    parser.add_argument("--hbm-blocks", type=int, default=2_000, help="per-instance HBM cache, 512-token blocks")
-    parser.add_argument("--dram-blocks", type=int, default=8_000, help="per-instance DRAM cache, 512-token blocks")
+    parser.add_argument(
+        "--node-preset",
+        default="llama3-70b-a800x8",
+        help="hardware of every instance: its cost model, HBM left for KV, host DRAM, NIC and PCIe "
+        "(kvpool.scheduler.hardware; default: %(default)s)",
+    )
+    parser.add_argument("--hbm-blocks", type=int, help="per-instance HBM cache, 512-token blocks (default: preset)")
+    parser.add_argument("--dram-blocks", type=int, help="per-instance DRAM cache, 512-token blocks (default: preset)")
     parser.add_argument(
         "--pool-tokens",
         type=_pool_tokens,
-        default=50_000_000,
-        help="global pool capacity in tokens, or 'inf' (default: 50M)",
+        default=0,
+        help="global pool capacity in tokens, or 'inf' (default: 0, the nodes' DRAM tiers are the pool)",
     )
+    parser.add_argument("--no-peer-fetch", action="store_true", help="instances cannot read each other's caches")
+    parser.add_argument("--no-nic-contention", action="store_true", help="a contention-free network")
+    parser.add_argument("--decode-prefill-mode", choices=("stall", "chunked"), default="stall")
+    parser.add_argument("--chunk-tokens", type=int, default=2048, help="chunk size of --decode-prefill-mode chunked")
     parser.add_argument(
         "--eviction", default="lru", help="eviction policy of the pool and DRAM tiers (kvpool.storage.eviction names)"
     )
-    parser.add_argument("--decode-kv-tokens", type=int, default=1_200_000, help="KV tokens a decode instance holds")
-    parser.add_argument("--pool-gbps", type=float, default=800.0, help="instance <-> pool RDMA Gbit/s (default 800)")
+    parser.add_argument("--decode-kv-tokens", type=int, help="KV tokens a decode instance holds (default: preset)")
+    parser.add_argument("--pool-gbps", type=float, help="per-instance RDMA NIC Gbit/s (default: preset)")
     parser.add_argument("--remote-link-gbps", type=float, default=100.0, help="link to remote prefill, Gbit/s")
-    parser.add_argument("--cost-model", default="llama3-70b-a800x8", help="preset name or fitted JSON file")
+    parser.add_argument("--cost-model", help="preset name or fitted JSON file (default: the node preset's)")
     parser.add_argument("--ttft-slo-ms", type=float, default=10_000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
     parser.add_argument("--speedup", type=float, default=1.0, help="compress arrival times by this factor (load)")
@@ -82,12 +132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvpool.core.errors import KVPoolError
-    from kvpool.scheduler.cluster import ClusterSpec, Slo
+    from kvpool.scheduler.cluster import Slo
     from kvpool.scheduler.cost_model import load_cost_model
+    from kvpool.scheduler.hardware import cluster_from_preset, get_node_preset
     from kvpool.scheduler.metrics import format_table
     from kvpool.scheduler.policies import PD_POLICIES, policy_names
     from kvpool.scheduler.runner import Workload, goodput, run_policy
     from kvpool.scheduler.trace import load_trace
+    from kvpool.scheduler.workloads import generate, to_jsonl, workload_spec
 
     try:
         if args.policy == "all-pd":
@@ -96,21 +148,38 @@ def run(args: argparse.Namespace) -> int:
             names = policy_names()
         else:
             names = [p.strip() for p in args.policy.split(",") if p.strip()]
-        spec = ClusterSpec(
-            num_prefill=args.prefill,
-            num_decode=args.decode,
-            num_remote_prefill=args.remote_prefill,
-            hbm_blocks=args.hbm_blocks,
-            dram_blocks=args.dram_blocks,
-            pool_blocks=None if args.pool_tokens is None else args.pool_tokens // 512,
-            decode_kv_capacity_tokens=args.decode_kv_tokens,
-            eviction=args.eviction,
-            pool_bandwidth_bytes_per_s=args.pool_gbps * 1e9 / 8,
-            remote_link_bandwidth_bytes_per_s=args.remote_link_gbps * 1e9 / 8,
-        )
-        cost = load_cost_model(args.cost_model)
+        node = get_node_preset(args.node_preset)
+        overrides: dict[str, object] = {
+            "num_prefill": args.prefill,
+            "num_decode": args.decode,
+            "num_remote_prefill": args.remote_prefill,
+            "pool_blocks": None if args.pool_tokens is None else args.pool_tokens // 512,
+            "eviction": args.eviction,
+            "peer_fetch": not args.no_peer_fetch,
+            "nic_contention": not args.no_nic_contention,
+            "decode_prefill_mode": args.decode_prefill_mode,
+            "chunk_tokens": args.chunk_tokens,
+            "remote_link_bandwidth_bytes_per_s": args.remote_link_gbps * 1e9 / 8,
+        }
+        for field, value in (
+            ("hbm_blocks", args.hbm_blocks),
+            ("dram_blocks", args.dram_blocks),
+            ("decode_kv_capacity_tokens", args.decode_kv_tokens),
+            ("pool_bandwidth_bytes_per_s", None if args.pool_gbps is None else args.pool_gbps * 1e9 / 8),
+        ):
+            if value is not None:
+                overrides[field] = value
+        spec = cluster_from_preset(node, **overrides)
+        cost = node.cost_model() if args.cost_model is None else load_cost_model(args.cost_model)
         slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
-        work = Workload.of(load_trace(args.trace, args.limit))
+        if args.workload:
+            trace = generate(workload_spec(args.workload, **_workload_opts(args.workload_opt)))
+            trace = trace[: args.limit] if args.limit else trace
+        else:
+            trace = load_trace(args.trace, args.limit)
+        if args.write_trace:
+            pathlib.Path(args.write_trace).write_text(to_jsonl(trace))
+        work = Workload.of(trace)
         progress = not args.no_progress
         rows, outs, goodputs = [], {}, {}
         for name in names:

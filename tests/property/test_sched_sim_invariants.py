@@ -1,6 +1,7 @@
 """Simulator invariants on generated traces and clusters: every request is decided once
 and finishes or is rejected, events never run backwards, hits never exceed the prompt,
-and a rerun with the same seed is identical."""
+a rerun with the same seed is identical, and the location index names exactly the
+blocks the caches hold (so a cluster without caches hits nothing)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ from hypothesis import strategies as st
 
 from kvpool.scheduler.cluster import ClusterSpec, Slo
 from kvpool.scheduler.cost_model import get_preset
-from kvpool.scheduler.policies import policy_names
+from kvpool.scheduler.policies import make_policy, policy_names
 from kvpool.scheduler.runner import Workload, run_policy
+from kvpool.scheduler.simulator import Simulator
 from kvpool.scheduler.trace import TraceRequest
 
 COST = get_preset("llama3-70b-a800x8")
+
+
+def cluster(prefill: int, decode: int, remote: int, **kw: object) -> ClusterSpec:
+    """A small cluster: tiny decode budget and batch, so waits and evictions happen."""
+    base: dict[str, object] = dict(decode_kv_capacity_tokens=20_000, max_decode_batch=4)
+    base.update(kw)
+    return ClusterSpec(num_prefill=prefill, num_decode=decode, num_remote_prefill=remote, **base)  # type: ignore[arg-type]
 
 
 @st.composite
@@ -62,16 +71,7 @@ def test_replay_invariants(
     speedup: float,
     seed: int,
 ) -> None:
-    spec = ClusterSpec(
-        num_prefill=prefill,
-        num_decode=decode,
-        num_remote_prefill=remote,
-        hbm_blocks=8,
-        dram_blocks=8,
-        pool_blocks=pool,
-        decode_kv_capacity_tokens=20_000,
-        max_decode_batch=4,
-    )
+    spec = cluster(prefill, decode, remote, hbm_blocks=8, dram_blocks=8, pool_blocks=pool)
     slo = Slo(5_000, 100)
     s1, o1 = run_policy(Workload.of(trace), spec, COST, policy, slo, speedup=speedup, seed=seed)
     assert (o1.decided == 1).all()
@@ -86,3 +86,60 @@ def test_replay_invariants(
     _, o2 = run_policy(Workload.of(trace), spec, COST, policy, slo, speedup=speedup, seed=seed)
     np.testing.assert_array_equal(o1.ttft_ms, o2.ttft_ms)
     np.testing.assert_array_equal(o1.finish_ms, o2.finish_ms)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    traces(),
+    st.sampled_from(policy_names()),
+    st.integers(0, 3),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.sampled_from([0, 1, 3, 8]),
+    st.sampled_from([0, 1, 5]),
+    st.sampled_from([0, 2, 20]),
+    st.booleans(),
+    st.sampled_from(["stall", "chunked"]),
+)
+def test_the_index_names_exactly_the_blocks_the_caches_hold(
+    trace: list[TraceRequest],
+    policy: str,
+    prefill: int,
+    decode: int,
+    remote: int,
+    hbm: int,
+    dram: int,
+    pool: int,
+    peers: bool,
+    mode: str,
+) -> None:
+    """Checked after every request and at the end: an index bit is set iff that member's cache
+    (HBM, DRAM or the pool) holds the block, so no hit is ever counted on an evicted block."""
+    spec = cluster(
+        prefill,
+        decode,
+        remote,
+        hbm_blocks=hbm,
+        dram_blocks=dram,
+        pool_blocks=pool,
+        peer_fetch=peers,
+        decode_prefill_mode=mode,
+        chunk_tokens=512,
+    )
+    work = Workload.of(trace)
+    sim = Simulator(spec, COST, make_policy(policy, 0), Slo(5_000, 100), hasher=work.hasher, check_every=1)
+    out = sim.run(trace)
+    if hbm == 0 and dram == 0 and pool == 0:
+        assert int((out.hit_local + out.hit_pool + out.hit_peer).sum()) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(traces(), st.sampled_from(policy_names()), st.integers(0, 3), st.integers(1, 3), st.integers(0, 2))
+def test_an_empty_cluster_without_caches_hits_nothing(
+    trace: list[TraceRequest], policy: str, prefill: int, decode: int, remote: int
+) -> None:
+    """No HBM cache, no DRAM, no pool, no peers: nothing can hit (the phantom-hit regression)."""
+    spec = cluster(prefill, decode, remote, hbm_blocks=0, dram_blocks=0, pool_blocks=0, peer_fetch=False)
+    s, out = run_policy(Workload.of(trace), spec, COST, policy, Slo(5_000, 100))
+    assert s.hit_rate == 0.0
+    assert int((out.hit_local + out.hit_pool + out.hit_peer).sum()) == 0

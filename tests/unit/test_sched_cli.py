@@ -68,3 +68,24 @@ def test_sim_bad_input_is_a_clear_error(tmp_path: pathlib.Path, capsys: pytest.C
     assert main(["sim", "--trace", str(trace), "--decode", "0", "--no-progress"]) == 2
     assert "no decode instance" in capsys.readouterr().err
     assert main(["sim", "--trace", str(trace), "--policy", "bogus", "--no-progress"]) == 2
+
+
+def test_sim_generated_workload_writes_a_trace_that_replays_the_same(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_trace = tmp_path / "agent.jsonl"
+    common = ["--policy", "kv-centric-noreject", "--prefill", "2", "--decode", "1", "--json", "--no-progress"]
+    opts = ["--workload-opt", "requests=60,rate_rps=2", "--workload-opt", "turn_tokens=200:900"]
+    assert main(["sim", "--workload", "agent", *opts, "--write-trace", str(out_trace), *common]) == 0
+    generated = json.loads(capsys.readouterr().out)["results"][0]
+    lines = out_trace.read_text().splitlines()
+    assert len(lines) == 60 and set(json.loads(lines[0])) == {"timestamp", "input_length", "output_length", "hash_ids"}
+    assert main(["sim", "--trace", str(out_trace), *common]) == 0
+    replayed = json.loads(capsys.readouterr().out)["results"][0]
+    assert replayed["ttft_mean_ms"] == generated["ttft_mean_ms"] and replayed["hit_rate"] == generated["hit_rate"]
+    assert generated["hit_rate"] > 0.3  # long shared prefixes
+
+
+def test_sim_unknown_workload_knob_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--workload", "chat", "--workload-opt", "sessions=3", "--no-progress"]) == 2
+    assert "unknown workload knob" in capsys.readouterr().err
