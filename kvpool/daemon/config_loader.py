@@ -265,6 +265,13 @@ OPTIONS: list[Option] = [
         "a namespace with no stored block and no call for this long is retired. Default 600000.",
     ),
     Option(
+        "--metrics-listen",
+        "metrics_listen",
+        str,
+        "serve Prometheus metrics (GET /metrics) on this HOST:PORT, e.g. 127.0.0.1:9450; a host off "
+        "loopback needs --insecure (metrics carry no authentication). Default: off. See docs/metrics.md.",
+    ),
+    Option(
         "--directory",
         "cluster.directory",
         str,
