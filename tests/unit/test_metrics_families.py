@@ -8,12 +8,12 @@ import json
 import re
 from typing import Any
 
+from conftest import REPO_ROOT
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from conftest import REPO_ROOT
 from kvpool.daemon import metrics as node_metrics
 from kvpool.directory import metrics as directory_metrics
 from kvpool.rpc.metrics import RpcMetrics
@@ -82,7 +82,7 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     directory = {"epoch": 1, "blocks": 2, "namespaces": 1, "leases_active": 0, "deferred_removes": 0, "lookups": 1,
                  "lookup_blocks": 2, "lookup_hits": 1, "read_locates": 0, "registrations": 1, "resyncs": 0,
                  "nodes_expired": 0, "events": 3, "lookup_hit_blocks_by_tier": {"host": 1},
-                 "nodes": [{"node_id": "a", "blocks": 2, "capacity_bytes": 1, "used_bytes": 1, "confirmed": True}]}  # fmt: skip
+                 "nodes": [{"node_id": "a", "blocks": 2, "capacity_bytes": 1, "used_bytes": 1}]}  # fmt: skip
     router = {"policy": "kv-centric", "instances": ["p0"], "indexed_blocks": 1, "events_applied": 1, "resyncs": 0,
               "last_seq": 1, "decisions": 2, "rejections": 0}  # fmt: skip
     m = samples(
