@@ -39,7 +39,10 @@ def do_stats(args: argparse.Namespace) -> int:
 def do_tiers(args: argparse.Namespace) -> int:
     with open_admin(args, address_of(args)) as admin:
         stats = admin.stats()
-    tiers = stats.get("tiers") or {"host": {k: v for k, v in stats.items() if not isinstance(v, dict | list)}}
+    tiers = {
+        name: {k: v for k, v in t.items() if not isinstance(v, dict | list)}
+        for name, t in render.tiers_of(stats).items()
+    }
     return emit(args, tiers, lambda _: render.tiers_view(stats))
 
 
@@ -123,7 +126,7 @@ def do_hot(args: argparse.Namespace) -> int:
 
 # -- nodes --------------------------------------------------------------------------------------
 def node_row(stats: dict[str, Any], address: str) -> dict[str, Any]:
-    tiers = stats.get("tiers") or {"host": {"enabled": True}}
+    tiers = render.tiers_of(stats)
     return {
         "node_id": stats.get("node_id", address),
         "control_address": address,

@@ -4,7 +4,6 @@ the very same data."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -117,9 +116,16 @@ def stats_view(stats: Mapping[str, Any]) -> Group:
     return Group(table, tiers_view(stats))
 
 
+def tiers_of(stats: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
+    """Each tier's stats; a host-only store has no ``tiers`` table: its top-level keys are the
+    host tier's."""
+    tiers = stats.get("tiers")
+    return tiers if isinstance(tiers, Mapping) else {"host": {**stats, "enabled": True}}
+
+
 def tiers_view(stats: Mapping[str, Any]) -> Table:
     table = _table("tiers", "tier", "enabled", *(label for _, label in TIER_COLUMNS))
-    tiers = stats.get("tiers") or {"host": {**stats, "enabled": True}}
+    tiers = tiers_of(stats)
     for name in ("device", "host", "disk"):
         tier = tiers.get(name)
         if tier is None:
@@ -251,7 +257,3 @@ def lookup_view(report: Mapping[str, Any]) -> Group:
     else:
         parts.append(Text("every block hits: the whole prompt is cached"))
     return Group(*parts)
-
-
-def terminal_width() -> int:
-    return shutil.get_terminal_size((120, 40)).columns
