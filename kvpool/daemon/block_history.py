@@ -7,8 +7,9 @@ Guarantees (tests/unit/test_daemon_block_history.py, a hypothesis property test 
   the latest. Each record says how it went: ``evicted`` (by the tier's policy, naming it),
   ``checksum_failure`` (dropped after a failed check), ``removed`` (a client's Remove, or
   ``kvpool inspect evict`` / ``clear``), and when (the node's clock, reported as an age).
-- ``HotBlocks`` counts reads of at most ``capacity`` blocks and prefixes. When full it halves
-  every count and drops those that reach zero (amortised O(1) per read; blocks read often stay,
+- ``HotBlocks`` counts reads of at most ``capacity`` blocks and prefixes (after every read).
+  When over, it halves every count and drops those that reach zero, again until under
+  (amortised O(1) per read; blocks read often stay,
   one-off reads fall out), so the counts are a decayed popularity, not exact totals (docs say so).
   One read counts at most ``MAX_KEYS_PER_READ`` of its leading blocks.
 
@@ -94,11 +95,11 @@ class HotBlocks:
         with self._lock:
             for key in keys[:MAX_KEYS_PER_READ]:
                 self._blocks[key] = self._blocks.get(key, 0) + 1
-            if len(self._blocks) > self.capacity:
-                self._blocks = _halved(self._blocks)
+            while len(self._blocks) > self.capacity:  # ends: every count reaches 0 in log2(max) rounds
+                self._blocks = {k: v // 2 for k, v in self._blocks.items() if v // 2 > 0}
             reads, longest = self._prefixes.get(keys[0], (0, 0))
             self._prefixes[keys[0]] = (reads + 1, max(longest, len(keys)))
-            if len(self._prefixes) > self.capacity:
+            while len(self._prefixes) > self.capacity:
                 self._prefixes = {k: (r // 2, n) for k, (r, n) in self._prefixes.items() if r // 2 > 0}
 
     def top_blocks(self, limit: int) -> list[tuple[bytes, int]]:
@@ -110,7 +111,3 @@ class HotBlocks:
         with self._lock:
             items = sorted(self._prefixes.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
         return [(k, reads, longest) for k, (reads, longest) in items]
-
-
-def _halved(counts: dict[bytes, int]) -> dict[bytes, int]:
-    return {k: v // 2 for k, v in counts.items() if v // 2 > 0}
