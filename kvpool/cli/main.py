@@ -25,10 +25,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvpool import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvpool",
         description="kvpool: a global KV-cache pool for LLM serving. Run 'kvpool SUBCOMMAND --help' for details.",
     )
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         try:
@@ -45,7 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_grpc_core(environ: dict[str, str] | os._Environ[str]) -> None:
+    """gRPC's C core logs its own errors to stderr (``E1201 ... add_port.cc:83 ...``) before
+    kvpool prints the typed error that says what to do; silence it unless the user asked for
+    its logs (GRPC_VERBOSITY=debug|info|error). Must run before grpc is first imported."""
+    environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc_core(os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

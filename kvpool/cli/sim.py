@@ -9,7 +9,11 @@ fraction of the infinite-cache oracle, recomputed tokens, TTFT / TPOT percentile
 SLO attainment, KV bytes moved, rejections, decision time); --json for machines;
 --plots DIR for PNGs; --goodput to search the highest rate meeting the SLOs.
 
+Without --trace it replays the first 2000 requests of Mooncake's conversation trace, which
+ship with kvpool (scheduler/data/); pass --trace for a whole trace.
+
 example:
+  kvpool sim --limit 2000 --policy kv-centric,least-loaded,dynamo
   kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric,sglang --speedup 1.5
 """
 
@@ -21,7 +25,15 @@ import math
 import pathlib
 import sys
 
-DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
+#: shipped with the package: the first 2000 requests of Mooncake's conversation trace
+BUNDLED_TRACE = "conversation_trace_head2000.jsonl"
+
+
+def _bundled_path() -> str:
+    """The trace slice that ships in the package (kvpool.scheduler's data)."""
+    from importlib import resources
+
+    return str(resources.files("kvpool.scheduler") / "data" / BUNDLED_TRACE)
 
 
 def _pool_tokens(text: str) -> int | None:
@@ -45,7 +57,12 @@ def _finite(obj: object) -> object:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL trace (default: the 2000-request slice of the conversation trace that ships "
+        "with kvpool)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument(
         "--policy",
@@ -89,6 +106,15 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.scheduler.runner import Workload, goodput, run_policy
     from kvpool.scheduler.trace import load_trace
 
+    trace = args.trace or _bundled_path()
+    if not pathlib.Path(trace).is_file():
+        print(
+            f"kvpool sim: trace {trace} not found; pass --trace PATH (a Mooncake-format JSONL trace, e.g. "
+            "conversation_trace.jsonl from github.com/kvcache-ai/Mooncake)",
+            file=sys.stderr,
+        )
+        return 2
+    args.trace = trace
     try:
         if args.policy == "all-pd":
             names = list(PD_POLICIES)
