@@ -7,6 +7,7 @@
   kvpool inspect events [--count N] [--follow]   the last N events (hashes, tier); --follow
   kvpool inspect blocks [--limit N]    block hashes the node holds
   kvpool inspect hot [--limit N]       most-read blocks and prefixes
+  kvpool inspect hitrate [--plot F.png] lookup hit rate over time, per tier
   kvpool inspect lookup --tokens FILE  per block: hit or miss, node, tier, and why the chain
                                        stops (evicted when and by which policy, checksum
                                        failure, removed, other namespace, never stored)
@@ -51,6 +52,7 @@ VIEWS: dict[str, str] = {
     "events": "the last --count events and exit; --follow to follow",
     "blocks": "block hashes the node holds",
     "hot": "most-read blocks and prefixes",
+    "hitrate": "the lookup hit rate over time, per tier (--plot FILE.png for a picture)",
     "lookup": "why a prompt hits or misses, block by block",
     "pin": "pin blocks against eviction (admin)",
     "unpin": "unpin blocks (admin)",
@@ -103,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     views["blocks"].add_argument("--limit", type=int, default=100, help="most hashes to print (default 100)")
     views["hot"].add_argument("--limit", type=int, default=20, help="entries of each list (default 20)")
+    views["hitrate"].add_argument("--samples", type=int, default=10, help="intervals to sample (default 10)")
+    views["hitrate"].add_argument("--interval-s", type=float, default=1.0, help="seconds per interval (default 1)")
+    views["hitrate"].add_argument("--plot", default=None, metavar="FILE.png", help="also draw it (needs matplotlib)")
     for name in ("nodes", "lookup"):
         views[name].add_argument("--directory", default=None, help="a directory HOST:PORT: the whole cluster's view")
     for name in ("lookup", "pin", "unpin", "evict"):

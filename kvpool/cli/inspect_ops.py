@@ -359,6 +359,12 @@ def do_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def do_hitrate(args: argparse.Namespace) -> int:
+    from kvpool.cli.inspect_hitrate import do_hitrate as hitrate
+
+    return hitrate(args)
+
+
 def do_doctor(args: argparse.Namespace) -> int:
     from kvpool.cli.inspect_doctor import doctor
 

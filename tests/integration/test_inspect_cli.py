@@ -312,3 +312,32 @@ def test_cluster_nodes_and_a_lookup_across_three_nodes(three_nodes: Any, tmp_pat
     assert set(rows[2]["per_node"]) == {"node-a", "node-b", "node-c"}
     assert rows[2]["per_node"]["node-c"]["reason"] == "never_stored"
     assert rows[3]["nodes"] == ["node-b"]  # held past the stop: listed, but a prefix cache cannot use it
+
+
+def test_hitrate_samples_intervals_and_draws_them(pool_daemon: DaemonHandle, tmp_path: Path) -> None:
+    png = tmp_path / "hitrate.png"
+    with PoolClient.connect(pool_daemon.address, SPEC) as client:
+        hashes = client.hashes(TOKENS)
+        client.put(hashes[:3], make_blocks(3, seed=10))
+        sampler = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "inspect", "hitrate", "--samples", "3", "--interval-s", "0.3",
+             "--plot", str(png), "--json", "--address", pool_daemon.address],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        lookups = 0
+        while sampler.poll() is None:  # lookups of 6 blocks, 3 of them held, while it samples
+            assert client.lookup(hashes) == 3
+            lookups += 1
+        out, err = sampler.communicate(timeout=30)
+    assert sampler.returncode == 0, err
+    samples = json.loads(out)
+    assert len(samples) == 3
+    looked = sum(s["looked_up_blocks"] for s in samples)
+    assert 0 < looked <= 6 * lookups and looked % 6 == 0
+    for s in samples:
+        if s["looked_up_blocks"]:
+            assert s["hit_rate"] == 0.5 and s["hit_rate_by_tier"]["host"] == 0.5
+            assert s["hit_blocks"] == {"host": s["looked_up_blocks"] // 2, "device": 0, "disk": 0}
+        else:
+            assert s["hit_rate"] is None  # no lookups: no rate, not 0% or 100%
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
