@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.rpc.metrics import LATENCY_BUCKETS_S
+from kvpool.rpc.metrics import LATENCY_BUCKETS_S, scalar_families
 
 Family = CounterMetricFamily | GaugeMetricFamily
 
@@ -38,12 +38,7 @@ def families_from_stats(stats: Mapping[str, Any]) -> Iterator[Family]:
     info = GaugeMetricFamily("kvpool_router_info", "The router's policy (value 1).", labels=("policy",))
     info.add_metric((str(stats.get("policy", "")),), 1.0)
     yield info
-    for name, key, text in ROUTER_COUNTERS:
-        if isinstance(stats.get(key), int):
-            yield CounterMetricFamily(name, text, value=float(stats[key]))
-    for name, key, text in ROUTER_GAUGES:
-        if isinstance(stats.get(key), int):
-            yield GaugeMetricFamily(name, text, value=float(stats[key]))
+    yield from scalar_families(stats, ROUTER_COUNTERS, ROUTER_GAUGES)
     yield GaugeMetricFamily(
         "kvpool_router_instances", "Instances the router places on.", value=len(stats.get("instances") or [])
     )

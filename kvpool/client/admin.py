@@ -51,6 +51,13 @@ class PoolAdmin:
     def __enter__(self) -> PoolAdmin:
         return self
 
+    def _call(self, method: str, request: Any) -> Any:
+        """One unary call; a gRPC error becomes the typed KVPoolError naming the address."""
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -60,10 +67,7 @@ class PoolAdmin:
         request = pool_pb2.StatsRequest(
             namespace=self.namespace, namespaces_after=namespaces_after, namespaces_limit=namespaces_limit
         )
-        try:
-            reply = self._stub.Stats(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Stats", request)
         result: dict[str, Any] = json.loads(reply.json)
         return result
 
@@ -72,10 +76,7 @@ class PoolAdmin:
         neither, every namespace's: an admin view)."""
         scope = namespace or self.namespace
         request = pool_pb2.SnapshotRequest(namespace=scope, all_namespaces=not scope)
-        try:
-            reply = self._stub.Snapshot(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Snapshot", request)
         return int(reply.last_seq), unpack_hashes(reply.hashes)
 
     def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
@@ -108,10 +109,7 @@ class PoolAdmin:
         return self._inspect(pool_pb2.InspectRequest(what="hot", limit=limit))
 
     def _inspect(self, request: pool_pb2.InspectRequest) -> dict[str, Any]:
-        try:
-            reply = self._stub.Inspect(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Inspect", request)
         result: dict[str, Any] = json.loads(reply.json)
         return result
 
@@ -120,10 +118,7 @@ class PoolAdmin:
         ``clear``); blocks under a read lease go once the lease ends. Returns how many were
         removed. Needs a credential that may use ``namespace`` (an admin's may use any)."""
         request = pool_pb2.HashesRequest(namespace=namespace, hashes=pack_hashes(list(hashes)))
-        try:
-            reply = self._stub.Remove(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Remove", request)
         return int(reply.removed)
 
     def pin(self, namespace: bytes, hashes: Sequence[bytes], ttl_ms: int | None = None, unpin: bool = False) -> int:
@@ -137,10 +132,7 @@ class PoolAdmin:
             ttl_ms=ttl_ms or 0,
             unpin=unpin,
         )
-        try:
-            reply = self._stub.Pin(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Pin", request)
         return int(reply.changed)
 
     def close(self) -> None:

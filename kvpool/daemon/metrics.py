@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.daemon.counters import TIERS
+from kvpool.rpc.metrics import scalar_families
 
 if TYPE_CHECKING:
     from kvpool.daemon.node import PoolNode
@@ -100,14 +101,7 @@ def families_from_stats(stats: Mapping[str, Any]) -> Iterator[Family]:
     info = GaugeMetricFamily("kvpool_node_info", "The node's identity (value 1).", labels=("node_id", "hash_scheme"))
     info.add_metric((str(stats.get("node_id", "")), str(stats.get("hash_scheme", ""))), 1.0)
     yield info
-    for name, key, text in NODE_COUNTERS:
-        value = _number(stats.get(key))
-        if value is not None:
-            yield CounterMetricFamily(name, text, value=value)
-    for name, key, text in NODE_GAUGES:
-        value = _number(stats.get(key))
-        if value is not None:
-            yield GaugeMetricFamily(name, text, value=value)
+    yield from scalar_families(stats, NODE_COUNTERS, NODE_GAUGES)
     for name, key, text in (
         (
             "kvpool_lookup_hit_blocks",

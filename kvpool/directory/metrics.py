@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpool.rpc.metrics import scalar_families
+
 Family = CounterMetricFamily | GaugeMetricFamily
 
 #: (metric name without _total, key in DirectoryState.counters, help)
@@ -41,12 +43,7 @@ DIRECTORY_GAUGES = (
 def families_from_summary(summary: Mapping[str, Any], is_leader: bool) -> Iterator[Family]:
     """Metric families of one ``DirectoryState.summary()`` (pure: tested without a server)."""
     yield GaugeMetricFamily("kvpool_directory_leader", "1 if this instance leads now.", value=1.0 if is_leader else 0.0)
-    for name, key, text in DIRECTORY_COUNTERS:
-        if isinstance(summary.get(key), int):
-            yield CounterMetricFamily(name, text, value=float(summary[key]))
-    for name, key, text in DIRECTORY_GAUGES:
-        if isinstance(summary.get(key), int):
-            yield GaugeMetricFamily(name, text, value=float(summary[key]))
+    yield from scalar_families(summary, DIRECTORY_COUNTERS, DIRECTORY_GAUGES)
     hits = CounterMetricFamily(
         "kvpool_directory_lookup_hit_blocks", "Lookup hits by the best tier among the holders.", labels=("tier",)
     )

@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -38,6 +39,22 @@ log = logging.getLogger("kvpool.metrics")
 
 #: latency buckets in seconds: control calls take 0.1-10 ms here, a cluster lookup up to ~100 ms
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+#: (metric name, key in the stats, help): a counter's name is given without its _total suffix
+MetricRow = tuple[str, str, str]
+
+
+def scalar_families(
+    stats: Mapping[str, Any], counters: Iterable[MetricRow], gauges: Iterable[MetricRow]
+) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """Unlabelled counters and gauges from a stats dict; a key that is missing or not a
+    number is left out (absent, never a made-up 0)."""
+    for rows, family in ((counters, CounterMetricFamily), (gauges, GaugeMetricFamily)):
+        for name, key, text in rows:
+            value = stats.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                yield family(name, text, value=float(value))
 
 
 class RpcMetrics:

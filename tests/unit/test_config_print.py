@@ -100,6 +100,13 @@ def test_a_misplaced_or_misspelt_key_says_what_to_write(tmp_path: Path) -> None:
     assert "did you mean store.capacity_bytes" in (err.value.hint or "")
 
 
+def test_the_older_toml_spellings_are_still_read(tmp_path: Path) -> None:
+    toml = tmp_path / "kvpool.toml"
+    toml.write_text('credentials_file = ""\n[cluster]\nhost = "box-2"\ntoken_file = ""\n')
+    config, _ = load_config_sources(parse("--config", str(toml)), {})
+    assert config.cluster.host == "box-2"
+
+
 def test_version() -> None:
     done = run_kvpool("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"kvpool {__version__}"
