@@ -192,7 +192,7 @@ class RouterServer:
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=server_options(4 << 20),
-            interceptors=[self.metrics.rpc.interceptor()],
+            interceptors=self.metrics.interceptors(True),  # /metrics is always on its HTTP listener
         )
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), self._grpc)
         host, _, _port = grpc_listen.rpartition(":")

@@ -29,7 +29,7 @@ REMOVAL_LOG_CAPACITY = 16_384
 #: blocks and prefixes whose reads are counted at once
 HOT_CAPACITY = 4_096
 #: leading blocks of one read that are counted (a read's prefix is where sharing happens)
-MAX_KEYS_PER_READ = 1_024
+MAX_KEYS_PER_READ = 64
 
 REASONS = ("evicted", "checksum_failure", "removed")
 
@@ -55,13 +55,14 @@ class RemovalLog:
         self.recorded = 0  # removals seen (including those that fell out)
 
     def on_removed(self, keys: Sequence[bytes], removal: Removal) -> None:
+        records = self._records
         with self._lock:
-            for key in keys:
-                self._records.pop(key, None)
-                self._records[key] = removal
-                self.recorded += 1
-            while len(self._records) > self.capacity:
-                self._records.popitem(last=False)
+            for key in keys:  # a key removed again moves to the end (the newest)
+                records.pop(key, None)
+            records.update(dict.fromkeys(keys, removal))
+            self.recorded += len(keys)
+            for _ in range(len(records) - self.capacity):
+                records.popitem(last=False)
 
     def on_stored(self, keys: Sequence[bytes]) -> None:
         with self._lock:

@@ -54,7 +54,7 @@ class PoolServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
-            interceptors=[self.metrics.rpc.interceptor()],
+            interceptors=self.metrics.interceptors(bool(config.metrics_listen)),  # none without /metrics
         )
         service = PoolService(
             self.node,

@@ -93,7 +93,7 @@ class DirectoryServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
             options=server_options(config.max_message_bytes),
-            interceptors=[self.metrics.rpc.interceptor()],
+            interceptors=self.metrics.interceptors(bool(config.metrics_listen)),  # none without /metrics
         )
         # a node's Register carries every block key it holds: the only bound is the message size
         add_typed_service(self._server, self.service, directory_pb2, "Directory", config.max_message_bytes)

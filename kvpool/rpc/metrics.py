@@ -77,6 +77,7 @@ class RpcMetrics:
             "kvpool_rpc_in_flight", "gRPC calls being handled now, by service.", ("service",), registry=registry
         )
         self._in_flight = self.in_flight.labels(service)
+        self._children: dict[tuple[str, str], Any] = {}  # (method, code) -> histogram child (bounded labels)
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return _TimingInterceptor(self)
@@ -97,7 +98,10 @@ class RpcMetrics:
                 self._in_flight.dec()
                 if code == "OK":
                     code = _status_name(context, default="OK")
-                self.duration.labels(self.service, method, code).observe(time.perf_counter() - started)
+                child = self._children.get((method, code))
+                if child is None:
+                    child = self._children[(method, code)] = self.duration.labels(self.service, method, code)
+                child.observe(time.perf_counter() - started)
 
         return call
 
@@ -195,13 +199,18 @@ class ServiceMetrics:
     """One daemon's metrics: its own ``registry`` with ``collector`` (the daemon's counters,
     read at scrape time) and the call latency of its gRPC ``service``. ``serve`` starts
     ``GET /metrics`` on ``listen`` with ``spawn`` (a ``Supervisor.spawn``); "" = no HTTP
-    listener (the interceptor still observes, one histogram update per call)."""
+    listener (then install no interceptor either: ``interceptors(False)``)."""
 
     def __init__(self, collector: Collector, service: str) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         self.rpc = RpcMetrics(self.registry, service)
         self.server: MetricsServer | None = None
+
+    def interceptors(self, enabled: bool) -> list[grpc.ServerInterceptor]:
+        """The gRPC interceptors to install: the timing one when metrics are served (a daemon
+        without a metrics listener pays nothing per call)."""
+        return [self.rpc.interceptor()] if enabled else []
 
     def serve(self, listen: str, spawn: Callable[[str, Callable[[], None]], None]) -> None:
         if listen:
