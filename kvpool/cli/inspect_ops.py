@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -148,7 +149,7 @@ def directory_call(args: argparse.Namespace, method: str, request: Any) -> Any:
     from kvpool.rpc.auth import call_metadata, make_channel
     from kvpool.rpc.errors import from_rpc_error
 
-    token = args.token if args.token is not None else ""
+    token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
     channel = make_channel(args.directory, (), None)
     try:
         stub = directory_pb2_grpc.DirectoryStub(channel)
