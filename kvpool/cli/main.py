@@ -15,7 +15,10 @@ import sys
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpool.cli.serve", "run a pool daemon (node + directory on one machine by default)"),
-    "inspect": ("kvpool.cli.inspect", "look inside a running pool: stats, tiers, nodes, events, lookup (why a miss), hot, pin/evict, doctor"),
+    "inspect": (
+        "kvpool.cli.inspect",
+        "look inside a running pool: stats, tiers, nodes, events, lookup (why a miss), hot, pin/evict, doctor",
+    ),
     "top": ("kvpool.cli.top", "full-screen live view of a pool (q quits)"),
     "sim": ("kvpool.cli.sim", "replay a request trace through the scheduler policies (discrete-event)"),
     "router": ("kvpool.cli.router", "run the cache-aware router daemon"),
