@@ -59,7 +59,7 @@ class RemovalLog:
         with self._lock:
             for key in keys:  # a key removed again moves to the end (the newest)
                 records.pop(key, None)
-            records.update(dict.fromkeys(keys, removal))
+                records[key] = removal
             self.recorded += len(keys)
             for _ in range(len(records) - self.capacity):
                 records.popitem(last=False)

@@ -59,8 +59,7 @@ class NodeBlockStore:
         events, say) asks for a key that does not exist and reads nothing."""
         wanted = block_keys(namespace, keys)
         grant = self._node.store.lease(wanted)
-        self._node.count_read(namespace, len(grant.locations), len(keys))
-        self._node.hot.on_read(wanted[: len(grant.locations)])  # kvpool inspect hot counts peers' reads too
+        self._node.count_read(namespace, len(grant.locations), len(keys), wanted[: len(grant.locations)])
         return LeasedBlocks(grant.lease_id, [(loc.offset, loc.size, loc.checksum) for loc in grant.locations])
 
     def drop_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:

@@ -200,17 +200,20 @@ class PoolNode:
     def lease(self, info: NamespaceInfo, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading blocks of ``keys`` for a reader, counted as one read."""
         grant = self.store.lease(keys)
-        self.count_read(info.digest, len(grant.locations), len(keys))
-        self.hot.on_read(keys[: len(grant.locations)])
+        self.count_read(info.digest, len(grant.locations), len(keys), keys[: len(grant.locations)])
         return grant
 
-    def count_read(self, namespace: bytes, served_blocks: int, asked_blocks: int) -> None:
-        """Count one read. A namespace not registered (any more) is not counted, so the
-        per-namespace counters stay bounded by the namespace table (a data-plane read of an
-        unknown namespace is refused before it leases anything)."""
+    def count_read(
+        self, namespace: bytes, served_blocks: int, asked_blocks: int, served_keys: Sequence[bytes] = ()
+    ) -> None:
+        """Count one read (and its ``served_keys`` in the hot-block counts of ``kvpool inspect
+        hot``). A namespace not registered (any more) is not counted, so the per-namespace
+        counters stay bounded by the namespace table (a data-plane read of an unknown namespace
+        is refused before it leases anything)."""
         info = self._namespaces.get(namespace)
         if info is not None:
             self.counters.count_read(namespace, info.spec.block_tokens, served_blocks, asked_blocks)
+            self.hot.on_read(served_keys)
 
     def drop_corrupt(self, info: NamespaceInfo, keys: Sequence[bytes]) -> int:
         """A reader says these blocks of its namespace failed their checksum: re-verify each
