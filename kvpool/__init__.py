@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvpool.core.version import VERSION
+
 if TYPE_CHECKING:
     from kvpool.client import AsyncPoolClient, PoolAdmin, PoolClient, PutResult
     from kvpool.core import KVPoolError, KVSpec, Namespace
@@ -26,7 +28,7 @@ _LAZY = {
 }
 
 __all__ = ["AsyncPoolClient", "KVPoolError", "KVSpec", "Namespace", "PoolAdmin", "PoolClient", "PutResult"]
-__version__ = "0.1.0"
+__version__ = VERSION
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ HTTP (stdlib ``http.server``, threaded):
                 "output_tokens": m, "slo": {"ttft_ms": .., "tpot_ms": ..}   -> decision
   POST /report  {"instance": "prefill-0", "queue_ms": .., ...}               -> {}
   GET  /stats                                                                 -> counters
+  GET  /metrics                                     -> Prometheus text format (docs/metrics.md)
 Errors come back as {"error": CODE, "message", "hint"} with a 4xx/5xx status.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -25,8 +27,10 @@ from kvpool.core.hashing import unpack_hashes
 from kvpool.proto import router_pb2, router_pb2_grpc
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.errors import typed_handler
+from kvpool.rpc.metrics import ServiceMetrics, exposition
 from kvpool.scheduler.cluster import Slo
 from kvpool.scheduler.router_core import RouterCore, RouteResult, WorkerLoad
+from kvpool.scheduler.router_metrics import HttpMetrics, RouterCollector
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +96,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.StatsReply(**self.core.stats())  # type: ignore[arg-type]
 
 
-def _handler_for(core: RouterCore) -> type[BaseHTTPRequestHandler]:
+def _handler_for(core: RouterCore, metrics: ServiceMetrics, http_metrics: HttpMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "kvpool-router/1"
+        _started = 0.0
+
+        def send_response(self, code: int, message: str | None = None) -> None:
+            super().send_response(code, message)
+            http_metrics.observe(getattr(self, "path", ""), code, time.perf_counter() - self._started)
+
+        def parse_request(self) -> bool:
+            self._started = time.perf_counter()
+            return super().parse_request()
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("http: " + format, *args)
@@ -127,8 +140,15 @@ def _handler_for(core: RouterCore) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if self.path == "/stats":
                 self._send(200, core.stats())
+            elif self.path == "/metrics":
+                body, content_type = exposition(metrics.registry)
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             else:
-                self._error(NotFound(f"no route GET {self.path}", hint="GET /stats"))
+                self._error(NotFound(f"no route GET {self.path}", hint="GET /stats or GET /metrics"))
 
         def do_POST(self) -> None:
             try:
@@ -167,7 +187,13 @@ class RouterServer:
         self, core: RouterCore, grpc_listen: str = "127.0.0.1:7460", http_listen: str | None = None, workers: int = 8
     ) -> None:
         self.core = core
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(4 << 20))
+        self.metrics = ServiceMetrics(RouterCollector(core.stats), "router")
+        self._http_metrics = HttpMetrics(self.metrics.registry)
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers),
+            options=server_options(4 << 20),
+            interceptors=self.metrics.interceptors(True),  # /metrics is always on its HTTP listener
+        )
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), self._grpc)
         host, _, _port = grpc_listen.rpartition(":")
         self.grpc_port = self._grpc.add_insecure_port(grpc_listen)
@@ -178,7 +204,9 @@ class RouterServer:
         self.http_address = ""
         if http_listen:
             h_host, _, h_port = http_listen.rpartition(":")
-            self._http = ThreadingHTTPServer((h_host, int(h_port)), _handler_for(core))
+            self._http = ThreadingHTTPServer(
+                (h_host, int(h_port)), _handler_for(core, self.metrics, self._http_metrics)
+            )
             self.http_address = f"{h_host}:{self._http.server_address[1]}"
         self._http_thread: threading.Thread | None = None
 

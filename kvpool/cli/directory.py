@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback --listen without credentials (trusted net)"
     )
+    parser.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve Prometheus GET /metrics here, e.g. 127.0.0.1:9440 (default: off; docs/metrics.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             credentials_file=args.credentials,
             cluster_token_file=args.cluster_token_file,
             insecure=args.insecure,
+            metrics_listen=args.metrics_listen,
         )
         server = DirectoryServer(config)
         server.start()

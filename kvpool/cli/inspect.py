@@ -1,67 +1,69 @@
-"""Look inside a running pool.
+"""Look inside a running pool. Every view prints a table, or JSON with --json.
 
-  kvpool inspect stats [--json]        capacity, used, blocks, hits, misses, evictions, ...
-  kvpool inspect namespaces [--json]   the KV specs (namespaces) the node serves, each with
-                                       its lookup hit rate (docs/architecture.md "Counters")
-  kvpool inspect events [--from-seq N] [--count N]   follow stored/removed events
-  kvpool inspect blocks [--limit N]    block hashes the node holds (hex)
+  kvpool inspect stats                 capacity, used, blocks, hits, misses, evictions, tiers
+  kvpool inspect tiers                 each tier: capacity, use, hits, evictions, policy
+  kvpool inspect namespaces            the namespaces (KV specs) served, with hit rates
+  kvpool inspect nodes [--directory A] the members: liveness, load, tiers, hit rate
+  kvpool inspect events [--count N] [--follow]   the last N events (hashes, tier); --follow
+  kvpool inspect blocks [--limit N]    block hashes the node holds
+  kvpool inspect hot [--limit N]       most-read blocks and prefixes
+  kvpool inspect hitrate [--plot F.png] lookup hit rate over time, per tier
+  kvpool inspect lookup --tokens FILE  per block: hit or miss, node, tier, and why the chain
+                                       stops (evicted when and by which policy, checksum
+                                       failure, removed, other namespace, never stored)
+  kvpool inspect pin|unpin|evict --tokens FILE | --hashes HEX,...   (admin)
+  kvpool inspect clear [--namespace HEX] [--yes]                   (admin; asks first)
+  kvpool inspect doctor                config, connectivity, disk, memory, etcd, UCX
 
 The address comes from --address, else KVPOOL_ADDRESS, else 127.0.0.1:7450. Against a
 daemon with credentials pass an admin token with --token (else KVPOOL_TOKEN); against one
-that serves TLS, the CA certificate with --tls-ca FILE (else KVPOOL_TLS_CA).
+that serves TLS, the CA certificate with --tls-ca FILE (else KVPOOL_TLS_CA). Token files
+hold a JSON list of integers or whitespace-separated integers ('-' reads stdin);
+--text with --tokenizer NAME tokenizes with a tokenizer transformers can load locally.
+A namespace is its digest (hex, or a unique prefix); with one namespace on the node it is
+the default. Errors print one line and exit non-zero (1: the daemon said no, 2: bad input).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvpool.cli.inspect_render import hit_rate_text, human_bytes
+
 if TYPE_CHECKING:
     from kvpool.client.admin import PoolAdmin
 
+__all__ = ["DEFAULT_ADDRESS", "add_connection_arguments", "hit_rate_text", "human_bytes", "open_admin"]
+
 DEFAULT_ADDRESS = "127.0.0.1:7450"
-
-STAT_ROWS = [
-    ("capacity_bytes", "capacity"),
-    ("used_bytes", "used"),
-    ("blocks", "blocks"),
-    ("lookup_calls", "lookups (calls)"),
-    ("lookup_hit_blocks", "lookup hits (blocks)"),
-    ("lookup_missed_blocks", "lookup misses (blocks)"),
-    ("lookup_hit_tokens", "lookup hits (tokens)"),
-    ("lookup_missed_tokens", "lookup misses (tokens)"),
-    ("read_calls", "reads (calls)"),
-    ("read_hit_blocks", "reads served (blocks)"),
-    ("read_missed_blocks", "reads not served (blocks)"),
-    ("puts", "blocks stored"),
-    ("skipped_present", "puts skipped (present)"),
-    ("evictions", "evictions"),
-    ("removed", "removed"),
-    ("checksum_failures", "checksum failures"),
-    ("leases_active", "read leases held"),
-    ("expired_leases", "leases expired"),
-    ("pending_puts", "puts in flight"),
-    ("reclaimed_puts", "puts reclaimed (writer died)"),
-]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["stats", "namespaces", "events", "blocks"], help="what to show")
-    parser.add_argument(
-        "--address", default=None, help=f"daemon HOST:PORT (env KVPOOL_ADDRESS; default {DEFAULT_ADDRESS})"
-    )
-    add_connection_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
-    parser.add_argument("--from-seq", type=int, default=0, help="events: first sequence number (0 = oldest kept)")
-    parser.add_argument("--count", type=int, default=0, help="events: stop after this many (0 = follow forever)")
-    parser.add_argument("--limit", type=int, default=100, help="blocks: most hashes to print")
-
 
 #: largest CA certificate file read, in bytes
 MAX_CA_FILE_BYTES = 1 << 20
+
+#: subcommand -> (function name in kvpool.cli.inspect_ops, help)
+VIEWS: dict[str, str] = {
+    "stats": "capacity, use, hits, misses, evictions and the tiers",
+    "tiers": "each tier: capacity, use, read hits and misses, evictions, policy",
+    "namespaces": "the namespaces (KV specs) the node serves, with lookup hit rates",
+    "nodes": "members: liveness, load, tiers, hit rate (the directory's list with --directory)",
+    "events": "the last --count events and exit; --follow to follow",
+    "blocks": "block hashes the node holds",
+    "hot": "most-read blocks and prefixes",
+    "hitrate": "the lookup hit rate over time, per tier (--plot FILE.png for a picture)",
+    "lookup": "why a prompt hits or misses, block by block",
+    "pin": "pin blocks against eviction (admin)",
+    "unpin": "unpin blocks (admin)",
+    "evict": "remove blocks from the node (admin)",
+    "clear": "remove every block of a namespace, or of all (admin; asks unless --yes)",
+    "doctor": "check config, connectivity, disk, memory, etcd, UCX; says what to fix",
+}
+
+
+class BadInput(Exception):
+    """Input the user must fix (a file, a flag): one line, exit 2."""
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +72,51 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-ca", default=None, metavar="FILE", help="PEM CA certificate of a TLS daemon (env KVPOOL_TLS_CA)"
     )
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--address", default=None, help=f"daemon HOST:PORT (env KVPOOL_ADDRESS; default {DEFAULT_ADDRESS})"
+    )
+    add_connection_arguments(common)
+    common.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    return common
+
+
+def _blocks_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", default=None, help="namespace digest (hex or unique prefix)")
+    parser.add_argument(
+        "--tokens", default=None, metavar="FILE", help="token ids: JSON list or whitespace-separated; - = stdin"
+    )
+    parser.add_argument("--text", default=None, help="prompt text (needs --tokenizer)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer transformers can load locally (name or path)")
+    parser.add_argument("--hashes", default=None, help="block hashes instead: comma-separated hex")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common = _common()
+    sub = parser.add_subparsers(dest="what", metavar="VIEW", required=True)
+    views = {name: sub.add_parser(name, help=text, description=text, parents=[common]) for name, text in VIEWS.items()}
+    views["events"].add_argument("--count", type=int, default=20, help="how many of the latest events (default 20)")
+    views["events"].add_argument("--follow", action="store_true", help="then follow new events until Ctrl-C")
+    views["events"].add_argument(
+        "--from-seq", type=int, default=0, help="start at this seq instead of the last --count"
+    )
+    views["blocks"].add_argument("--limit", type=int, default=100, help="most hashes to print (default 100)")
+    views["hot"].add_argument("--limit", type=int, default=20, help="entries of each list (default 20)")
+    views["hitrate"].add_argument("--samples", type=int, default=10, help="intervals to sample (default 10)")
+    views["hitrate"].add_argument("--interval-s", type=float, default=1.0, help="seconds per interval (default 1)")
+    views["hitrate"].add_argument("--plot", default=None, metavar="FILE.png", help="also draw it (needs matplotlib)")
+    for name in ("nodes", "lookup"):
+        views[name].add_argument("--directory", default=None, help="a directory HOST:PORT: the whole cluster's view")
+    for name in ("lookup", "pin", "unpin", "evict"):
+        _blocks_arguments(views[name])
+    views["pin"].add_argument("--ttl-ms", type=int, default=None, help="soft pin for this long (default: hard pin)")
+    views["clear"].add_argument("--namespace", default=None, help="only this namespace (default: every namespace)")
+    views["clear"].add_argument("--yes", action="store_true", help="do not ask")
+    views["doctor"].add_argument("--config", default=None, metavar="FILE.toml", help="the daemon's config file")
+    views["doctor"].add_argument("--etcd", default=None, help="etcd endpoints to check (default: from the config)")
 
 
 def open_admin(args: argparse.Namespace, address: str) -> PoolAdmin:
@@ -84,108 +131,22 @@ def open_admin(args: argparse.Namespace, address: str) -> PoolAdmin:
     return PoolAdmin(address, token=token, tls_root_certs=root_certs)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def hit_rate_text(stats: dict[str, Any]) -> str:
-    """Lookup hit blocks / looked-up blocks (docs/architecture.md "Counters"); "n/a" before
-    the first lookup, never a 100% made of nothing."""
-    rate = stats.get("lookup_hit_rate")
-    if rate is None:
-        return "n/a (nothing looked up yet)"
-    hit = stats.get("lookup_hit_blocks", 0)
-    looked = hit + stats.get("lookup_missed_blocks", 0)
-    return f"{100.0 * rate:.1f}% ({hit} of {looked} blocks)"
-
-
-def render_stats(stats: dict[str, Any]) -> str:
-    lines = [f"node {stats.get('node_id', '?')}  scheme {stats.get('hash_scheme', '?')}"]
-    capacity = stats.get("capacity_bytes", 0) or 1
-    for key, label in STAT_ROWS:
-        if key not in stats:
-            continue
-        value = stats[key]
-        if key.endswith("_bytes"):
-            text = human_bytes(value)
-            if key == "used_bytes":
-                text += f" ({100.0 * value / capacity:.1f}%)"
-        else:
-            text = str(value)
-        lines.append(f"  {label:<34} {text}")
-    lines.append(f"  {'hit rate (lookups)':<34} {hit_rate_text(stats)}")
-    by_tier = stats.get("lookup_hit_blocks_by_tier") or {}
-    if by_tier:
-        parts = ", ".join(f"{tier}={n}" for tier, n in by_tier.items())
-        lines.append(f"  {'lookup hits by tier (blocks)':<34} {parts}")
-    for tier, tier_stats in sorted((stats.get("tiers") or {}).items()):
-        parts = ", ".join(f"{k}={v}" for k, v in sorted(tier_stats.items()))
-        lines.append(f"  tier {tier}: {parts}")
-    return "\n".join(lines)
-
-
-def _all_namespaces(admin: PoolAdmin) -> list[dict[str, Any]]:
-    """Every page of the Stats namespace list (an admin view, docs/security.md)."""
-    out: list[dict[str, Any]] = []
-    after = b""
-    while True:
-        stats = admin.stats(namespaces_after=after)
-        out.extend(stats.get("namespaces", []))
-        following = stats.get("namespaces_next", "")
-        if not following:
-            return out
-        after = bytes.fromhex(following)
+def address_of(args: argparse.Namespace) -> str:
+    return str(args.address or os.environ.get("KVPOOL_ADDRESS") or DEFAULT_ADDRESS)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpool.cli import inspect_ops
     from kvpool.core.errors import KVPoolError
 
-    address = args.address or os.environ.get("KVPOOL_ADDRESS") or DEFAULT_ADDRESS
     try:
-        with open_admin(args, address) as admin:
-            if args.what == "stats":
-                stats = admin.stats()
-                print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_stats(stats))
-            elif args.what == "namespaces":
-                namespaces = _all_namespaces(admin)
-                if args.json:
-                    print(json.dumps(namespaces, indent=2))
-                else:
-                    for ns in namespaces:
-                        print(
-                            f"{ns['digest']}  {ns['spec']}  ({human_bytes(ns['block_bytes'])} per block)  "
-                            f"lookup hit rate {hit_rate_text(ns)}"
-                        )
-            elif args.what == "blocks":
-                last_seq, hashes = admin.snapshot()
-                shown = [h.hex() for h in hashes[: args.limit]]
-                if args.json:
-                    print(json.dumps({"last_seq": last_seq, "total": len(hashes), "hashes": shown}))
-                else:
-                    print(f"{len(hashes)} blocks (as of event {last_seq}); first {len(shown)}:")
-                    print("\n".join(shown))
-            else:
-                for n, event in enumerate(admin.events(args.from_seq), start=1):
-                    record = {
-                        "node": event.node_id,
-                        "seq": event.seq,
-                        "kind": event.kind.value,
-                        "blocks": len(event.hashes),
-                        "namespace": event.namespace.hex(),
-                    }
-                    line = (
-                        f"#{event.seq} {event.kind.value:<8} {len(event.hashes)} blocks ns={event.namespace.hex()[:8]}"
-                    )
-                    print(json.dumps(record) if args.json else line, flush=True)
-                    if args.count and n >= args.count:
-                        break
+        handler: Any = getattr(inspect_ops, f"do_{args.what}")
+        return int(handler(args) or 0)
+    except BadInput as err:
+        print(f"kvpool inspect {args.what}: {err}", file=sys.stderr)
+        return 2
     except KVPoolError as err:
-        print(f"kvpool inspect: {err}", file=sys.stderr)
+        print(f"kvpool inspect {args.what}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0

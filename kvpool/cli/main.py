@@ -15,8 +15,11 @@ import sys
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpool.cli.serve", "run a pool daemon (node + directory on one machine by default)"),
-    "inspect": ("kvpool.cli.inspect", "look inside a running pool: stats, namespaces, events, blocks"),
-    "top": ("kvpool.cli.top", "live view of a pool's stats, refreshed every second"),
+    "inspect": (
+        "kvpool.cli.inspect",
+        "look inside a running pool: stats, tiers, nodes, events, lookup (why a miss), hot, pin/evict, doctor",
+    ),
+    "top": ("kvpool.cli.top", "full-screen live view of a pool (q quits)"),
     "sim": ("kvpool.cli.sim", "replay a request trace through the scheduler policies (discrete-event)"),
     "router": ("kvpool.cli.router", "run the cache-aware router daemon"),
     "directory": ("kvpool.cli.directory", "run the cluster directory (master) service"),
@@ -27,10 +30,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvpool.core.version import VERSION as __version__
+
     parser = argparse.ArgumentParser(
         prog="kvpool",
         description="kvpool: a global KV-cache pool for LLM serving. Run 'kvpool SUBCOMMAND --help' for details.",
     )
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         try:
@@ -47,7 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_grpc_core(environ: dict[str, str] | os._Environ[str]) -> None:
+    """gRPC's C core logs its own errors to stderr (``E1201 ... add_port.cc:83 ...``) before
+    kvpool prints the typed error that says what to do; silence it unless the user asked for
+    its logs (GRPC_VERBOSITY=debug|info|error). Must run before grpc is first imported."""
+    environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc_core(os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

@@ -11,6 +11,18 @@ rejection when no placement meets the SLOs. It learns load from worker reports
 Instances are named prefill-0.., decode-0.., remote-0..; a pool node whose id equals
 one of these names is that instance's cache, any other node is the global pool.
 
+HTTP/JSON (--http-listen):
+  POST /route   {"token_ids": [...]}  (needs --spec)  or  {"hashes": ["32 hex digits", ...],
+                "input_tokens": N}, plus "output_tokens": M, "slo": {"ttft_ms": .., "tpot_ms": ..},
+                "request_id": K (all but the prompt optional)
+             -> {"rejected", "reason", "prefill_kind" (instance | decode_local | remote; "" if
+                 rejected), "prefill_instance", "decode_instance", "expected_hit_blocks", "expected_hit_tokens",
+                 "expected_ttft_ms", "expected_tpot_ms", "decision_us"}
+  POST /report  {"instance": "prefill-0", "queue_ms", "outstanding_requests",
+                 "outstanding_tokens", "active_requests", "context_tokens"}   -> {}
+  GET  /stats   counters;  GET /metrics  Prometheus (docs/metrics.md)
+  errors: {"error": CODE, "message", "hint"} with a 4xx / 5xx status.
+
 example:
   kvpool router --pool 127.0.0.1:7450 --prefill 4 --decode 2 --http-listen 127.0.0.1:7461
 """
@@ -42,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token", default=None, help="the tenant's token for a pool with credentials (env KVPOOL_TOKEN)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices (default 0)")
     from kvpool.cli.router_openai import add_openai_arguments
 
     add_openai_arguments(parser)

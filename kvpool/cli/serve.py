@@ -5,6 +5,7 @@ map its shared-memory arena for data. Stop it with SIGTERM or Ctrl-C (graceful).
 Example:
   kvpool serve --listen 127.0.0.1:7450 --capacity-bytes 8GiB
   KVPOOL_CAPACITY_BYTES=8GiB kvpool serve --config kvpool.toml
+  kvpool serve --config kvpool.toml --print-config   # effective values and where each came from
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvpool.core.errors import KVPoolError
-    from kvpool.daemon.config_loader import environ, load_config
-    from kvpool.daemon.server import PoolServer
+    from kvpool.daemon.config_loader import environ, load_config_sources
 
     try:
-        config = load_config(args, environ())
+        config, sources = load_config_sources(args, environ())
     except KVPoolError as err:
         print(f"kvpool serve: {err}", file=sys.stderr)
         return 2
+    if args.print_config:
+        from kvpool.daemon.config_print import render_config
+
+        print(render_config(config, sources), end="")
+        return 0
+    from kvpool.daemon.server import PoolServer
+
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -13,8 +13,11 @@ percentiles, TPOT, SLO attainment, KV bytes moved, decision time); --json for ma
 The trace is JSON lines, one request per line (docs/scheduler.md, "Trace format"):
   {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [block ids]}
 or a generated workload: --workload agent|docqa|chat [--workload-opt KNOB=VALUE ...].
+Without --trace or --workload it replays the first 2000 requests of Mooncake's conversation
+trace, which ship with kvpool (scheduler/data/); pass --trace for a whole trace.
 
 examples:
+  kvpool sim --limit 2000 --policy kv-centric-noreject,least-loaded,dynamo
   kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric-noreject,dynamo --speedup 1.5
   kvpool sim --workload docqa --workload-opt requests=3000 --write-trace docqa.jsonl --no-peer-fetch
 """
@@ -27,7 +30,15 @@ import math
 import pathlib
 import sys
 
-DEFAULT_TRACE = "../shared/data/conversation_trace.jsonl"
+#: shipped with the package: the first 2000 requests of Mooncake's conversation trace
+BUNDLED_TRACE = "conversation_trace_head2000.jsonl"
+
+
+def _bundled_path() -> str:
+    """The trace slice that ships in the package (kvpool.scheduler's data)."""
+    from importlib import resources
+
+    return str(resources.files("kvpool.scheduler") / "data" / BUNDLED_TRACE)
 
 
 def _pool_tokens(text: str) -> int | None:
@@ -72,7 +83,12 @@ def _workload_opts(items: list[str]) -> dict[str, object]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL trace (default: the 2000-request slice of the conversation trace that ships "
+        "with kvpool)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument(
         "--policy",
@@ -141,6 +157,15 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.scheduler.trace import load_trace
     from kvpool.scheduler.workloads import generate, to_jsonl, workload_spec
 
+    trace_path = args.trace or _bundled_path()
+    if not args.workload and not pathlib.Path(trace_path).is_file():
+        print(
+            f"kvpool sim: trace {trace_path} not found; pass --trace PATH (a Mooncake-format JSONL trace, e.g. "
+            "conversation_trace.jsonl from github.com/kvcache-ai/Mooncake)",
+            file=sys.stderr,
+        )
+        return 2
+    args.trace = trace_path
     try:
         if args.policy == "all-pd":
             names = list(PD_POLICIES)

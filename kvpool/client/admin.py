@@ -12,13 +12,13 @@ TLS channel.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 
 from kvpool.core.events import KVEvent
-from kvpool.core.hashing import unpack_hashes
+from kvpool.core.hashing import pack_hashes, unpack_hashes
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import event_from_msg
@@ -26,6 +26,9 @@ from kvpool.rpc.errors import from_rpc_error
 
 
 class PoolAdmin:
+    """Operator calls on one daemon: stats, events, snapshots, explain, hot, and block
+    removal / pinning by namespace. No KVSpec, no arena mapping; a context manager."""
+
     def __init__(
         self,
         address: str,
@@ -48,6 +51,13 @@ class PoolAdmin:
     def __enter__(self) -> PoolAdmin:
         return self
 
+    def _call(self, method: str, request: Any) -> Any:
+        """One unary call; a gRPC error becomes the typed KVPoolError naming the address."""
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -57,10 +67,7 @@ class PoolAdmin:
         request = pool_pb2.StatsRequest(
             namespace=self.namespace, namespaces_after=namespaces_after, namespaces_limit=namespaces_limit
         )
-        try:
-            reply = self._stub.Stats(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Stats", request)
         result: dict[str, Any] = json.loads(reply.json)
         return result
 
@@ -69,10 +76,7 @@ class PoolAdmin:
         neither, every namespace's: an admin view)."""
         scope = namespace or self.namespace
         request = pool_pb2.SnapshotRequest(namespace=scope, all_namespaces=not scope)
-        try:
-            reply = self._stub.Snapshot(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        reply = self._call("Snapshot", request)
         return int(reply.last_seq), unpack_hashes(reply.hashes)
 
     def events(self, from_seq: int = 0) -> Iterator[KVEvent]:
@@ -88,6 +92,50 @@ class PoolAdmin:
                 return
             raise from_rpc_error(exc, self.address) from None
 
+    def explain(self, namespace: bytes, hashes: Sequence[bytes] = (), token_ids: Sequence[int] = ()) -> dict[str, Any]:
+        """Why a prompt hits or misses on this node (an admin view, ``kvpool inspect lookup``):
+        per block hit / miss with its tier, and why the chain stops (evicted by which policy and
+        when, checksum failure, removed, other namespace, never stored). Give ``hashes`` of
+        ``namespace``'s chain or its ``token_ids`` (hashed by the daemon with the namespace's
+        spec). Does not count as a lookup. Keys of the reply: ``kvpool.daemon.introspect``."""
+        request = pool_pb2.InspectRequest(
+            what="explain", namespace=namespace, hashes=pack_hashes(list(hashes)), token_ids=list(token_ids)
+        )
+        return self._inspect(request)
+
+    def hot(self, limit: int = 20) -> dict[str, Any]:
+        """The node's most-read blocks and prefixes, ``limit`` of each (an admin view; decayed
+        counts, see ``kvpool.daemon.block_history.HotBlocks``)."""
+        return self._inspect(pool_pb2.InspectRequest(what="hot", limit=limit))
+
+    def _inspect(self, request: pool_pb2.InspectRequest) -> dict[str, Any]:
+        reply = self._call("Inspect", request)
+        result: dict[str, Any] = json.loads(reply.json)
+        return result
+
+    def remove(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        """Remove these blocks of ``namespace`` from the node (``kvpool inspect evict`` and
+        ``clear``); blocks under a read lease go once the lease ends. Returns how many were
+        removed. Needs a credential that may use ``namespace`` (an admin's may use any)."""
+        request = pool_pb2.HashesRequest(namespace=namespace, hashes=pack_hashes(list(hashes)))
+        reply = self._call("Remove", request)
+        return int(reply.removed)
+
+    def pin(self, namespace: bytes, hashes: Sequence[bytes], ttl_ms: int | None = None, unpin: bool = False) -> int:
+        """Pin blocks of ``namespace`` against eviction: softly for ``ttl_ms``, or hard
+        (``ttl_ms=None``, until unpinned); ``unpin=True`` removes both kinds. Returns how many
+        blocks changed."""
+        request = pool_pb2.PinRequest(
+            namespace=namespace,
+            hashes=pack_hashes(list(hashes)),
+            hard=ttl_ms is None and not unpin,
+            ttl_ms=ttl_ms or 0,
+            unpin=unpin,
+        )
+        reply = self._call("Pin", request)
+        return int(reply.changed)
+
     def close(self) -> None:
+        """Close the channel, unless it was lent by the caller (``channel=``)."""
         if self._owns_channel:
             self._channel.close()

@@ -41,6 +41,11 @@ T = TypeVar("T")
 
 
 class AsyncPoolClient:
+    """The asyncio twin of ``PoolClient``: the same calls and semantics, awaited (control over ``grpc.aio``;
+    block copies through the mapped arena inline). Use one per event loop; ``async with await
+    AsyncPoolClient.connect(...)``.
+    """
+
     def __init__(
         self,
         address: str,
@@ -49,6 +54,9 @@ class AsyncPoolClient:
         token: str = "",
         tls_root_certs: bytes | None = None,
     ) -> None:
+        """Prefer ``await AsyncPoolClient.connect(...)``, which says hello and maps the arena; the arguments are
+        ``PoolClient``'s.
+        """
         self.address = address
         self.namespace = namespace
         self.spec = namespace.spec
@@ -115,19 +123,23 @@ class AsyncPoolClient:
 
     @property
     def arena(self) -> np.ndarray:
+        """The mapped arena as a uint8 array; Unavailable before connect."""
         if self._arena is None:
             raise Unavailable(f"not connected to {self.address}", hint="use AsyncPoolClient.connect")
         return self._arena.view
 
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
+        """The block-hash chain of a prompt in this client's namespace (full blocks only; no I/O)."""
         return block_hashes(self.namespace, token_ids, extras)
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` the pool holds now."""
         if not hashes:
             return 0
         return int((await self._hashes_call(self._stub.Lookup, hashes)).hits)
 
     async def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
+        """Store blocks ([n, *spec.block_shape]) under ``hashes``; present ones are skipped (``PutResult``)."""
         rows = put_rows(blocks, self.spec, hashes)
         if not hashes:
             return PutResult(0, 0, 0, 0)
@@ -151,6 +163,9 @@ class AsyncPoolClient:
         return put_result(start, done)
 
     async def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Read the leading cached blocks of ``hashes`` into ``out``, each checksum-verified; returns how many. A
+        block that fails its check ends the run and is reported to the node.
+        """
         rows = out_rows(out, self.spec, hashes)
         if not hashes:
             return 0
@@ -176,16 +191,19 @@ class AsyncPoolClient:
         return int(reply.dropped)
 
     async def get(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """The leading cached blocks of ``hashes`` as a new array [hits, *block_shape]."""
         out = np.empty((len(hashes), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         n = await self.get_into(hashes, out)
         return out[:n]
 
     async def remove(self, hashes: Sequence[bytes]) -> int:
+        """Remove these blocks of this namespace from the node; returns how many were removed."""
         if not hashes:
             return 0
         return int((await self._hashes_call(self._stub.Remove, hashes)).removed)
 
     async def close(self) -> None:
+        """Release pending leases, unmap the arena, close the channel."""
         if self._pending_releases:
             try:
                 await self._rpc(self._stub.Release, pool_pb2.ReleaseRequest(lease_ids=self._pending_releases))

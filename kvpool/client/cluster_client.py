@@ -79,6 +79,10 @@ class DirectoryFailover(Unavailable):
 
 @dataclass(frozen=True)
 class Holder:
+    """A node that holds a block, as the directory reports it: its id, addresses, transport and host (same host:
+    read through its arena).
+    """
+
     node_id: str
     control_address: str
     data_address: str
@@ -87,10 +91,16 @@ class Holder:
 
     @classmethod
     def of(cls, info: directory_pb2.NodeInfo) -> Holder:
+        """The holder described by a directory NodeInfo message."""
         return cls(info.node_id, info.control_address, info.data_address, info.host, bytes(info.transport_metadata))
 
 
 class ClusterClient:
+    """Client of a cluster: asks the directory where each block lives, reads from the local node's arena or from
+    peers over the data plane, and writes where the directory places. ``ClusterClient.connect`` finds the
+    leader (``directory`` addresses or ``etcd``); the block calls are ``PoolClient``'s.
+    """
+
     def __init__(
         self,
         link: DirectoryLink,
@@ -211,6 +221,7 @@ class ClusterClient:
 
     # -- lookups -------------------------------------------------------------------------
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
+        """The block-hash chain of a prompt in this client's namespace (full blocks only; no I/O)."""
         return block_hashes(self.namespace, token_ids, extras)
 
     # -- the directory, through failovers ----------------------------------------------------
@@ -519,6 +530,9 @@ class ClusterClient:
         return good
 
     def get(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """The leading blocks of ``hashes`` the cluster holds, as a new array [hits, *block_shape] (``get_into``
+        into a new buffer).
+        """
         out = np.empty((len(hashes), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         n = self.get_into(hashes, out)
         return out[:n]
@@ -626,11 +640,15 @@ class ClusterClient:
 
     # -- management ----------------------------------------------------------------------
     def remove(self, hashes: Sequence[bytes]) -> int:
+        """Remove these blocks from every node holding them (through the directory). Returns how many were
+        removed.
+        """
         request = directory_pb2.RemoveRequest(namespace=self._ns, hashes=pack_hashes(hashes))
         reply = self._directory_waiting("Remove", request)
         return int(reply.removed)
 
     def pin(self, hashes: Sequence[bytes], ttl_ms: int | None = None) -> int:
+        """Pin these blocks on every holder: soft for ``ttl_ms``, hard when it is None. Returns how many changed."""
         reply = self._directory_waiting(
             "Pin",
             directory_pb2.PinRequest(
@@ -640,17 +658,20 @@ class ClusterClient:
         return int(reply.changed)
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
+        """Unpin these blocks on every holder. Returns how many changed."""
         reply = self._directory_waiting(
             "Pin", directory_pb2.PinRequest(namespace=self._ns, hashes=pack_hashes(hashes), unpin=True)
         )
         return int(reply.changed)
 
     def stats(self) -> dict[str, Any]:
+        """The directory's view: nodes, blocks, leases, counters (the directory's Stats JSON)."""
         result: dict[str, Any] = json.loads(self._directory_waiting("Stats", directory_pb2.StatsRequest()).json)
         result["client"] = dict(self.counters)
         return result
 
     def close(self) -> None:
+        """Close the local client, the peer transports and the directory channel."""
         self._pool.shutdown(wait=True)
         for client in self._same_host.values():
             client.close()

@@ -52,6 +52,11 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class PutResult:
+    """What one put did: ``stored`` blocks committed now, ``already_present`` skipped (the pool had them),
+    ``in_flight`` skipped (another writer is storing them), ``checksum_failed`` refused at commit (their bytes
+    did not match the checksum; recompute and put again).
+    """
+
     stored: int  # blocks written and committed by this call
     already_present: int  # skipped: the pool had them
     in_flight: int  # skipped: another writer is storing them now
@@ -136,6 +141,10 @@ class PoolClient:
         token: str = "",
         tls_root_certs: bytes | None = None,
     ) -> None:
+        """Prefer ``PoolClient.connect``, which also says hello (registers the namespace) and maps the arena.
+        ``timeout_s`` bounds each control call; ``token`` is the bearer credential; ``tls_root_certs`` (PEM)
+        opens a TLS channel.
+        """
         self.address = address
         self.namespace = namespace
         self.spec = namespace.spec
@@ -218,6 +227,9 @@ class PoolClient:
 
     @property
     def arena(self) -> np.ndarray:
+        """The daemon's shared-memory arena as a uint8 array (read-only unless a put of this client holds it
+        writable); Unavailable before connect.
+        """
         if self._arena is None:
             raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
         return self._arena.view
@@ -301,6 +313,9 @@ class PoolClient:
         return out[:n]
 
     def remove(self, hashes: Sequence[bytes]) -> int:
+        """Remove these blocks of this namespace from the node; a block under a read lease goes when the lease
+        ends. Returns how many were removed.
+        """
         if not hashes:
             return 0
         reply = self._with_namespace(lambda: self._rpc(self._stub.Remove, self._hashes_request(hashes)))
@@ -314,6 +329,9 @@ class PoolClient:
         return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
+        """Drop the soft and hard pins of these blocks, so the eviction policy may take them again. Returns how
+        many changed.
+        """
         request = pool_pb2.PinRequest(namespace=self._ns_digest, hashes=pack_hashes(hashes), unpin=True)
         return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
 
@@ -333,11 +351,15 @@ class PoolClient:
         return self._admin.events(from_seq)
 
     def flush_releases(self) -> None:
+        """Send the lease releases this client batches (they also ride on its next call, and a lease ends at its
+        TTL anyway): call it before a long pause so the node may evict those blocks sooner.
+        """
         lease_ids = self._take_releases()
         if lease_ids:
             self._rpc(self._stub.Release, pool_pb2.ReleaseRequest(lease_ids=lease_ids))
 
     def close(self) -> None:
+        """Release pending leases, unmap the arena, close the channel. Idempotent; the context manager calls it."""
         try:
             self.flush_releases()
         except KVPoolError:

@@ -77,6 +77,9 @@ class CompressedPool:
     """A ``BlockPool`` of exact ``spec`` blocks that stores them compressed in ``inner``."""
 
     def __init__(self, inner: BlockPool, spec: KVSpec, codec: str) -> None:
+        """``inner``: a pool of the compressed wire spec (``compressed_spec(spec, codec)``); ``codec``: the
+        transfer codec (fp8 or int8, see kvpool.kernels.quant).
+        """
         self.inner = inner
         self.spec = spec
         self.codec = codec
@@ -87,9 +90,11 @@ class CompressedPool:
         self.dtype = TORCH_DTYPES[spec.dtype]
 
     def hashes(self, token_ids: Any) -> list[bytes]:
+        """The hash chain (the inner pool's: compression does not change block identity within its namespace)."""
         return self.inner.hashes(token_ids)
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks held in the inner pool."""
         return self.inner.lookup(hashes)
 
     def _tensor(self, blocks: Any, what: str) -> torch.Tensor:
@@ -102,9 +107,11 @@ class CompressedPool:
         return blocks
 
     def put(self, hashes: Sequence[bytes], blocks: Any) -> Any:
+        """Compress ``blocks`` and store them in the inner pool."""
         return self.inner.put(hashes, pack(self._tensor(blocks, "blocks"), self.codec))
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Read compressed blocks from the inner pool and decompress them into ``out``; returns how many."""
         out = self._tensor(out, "out")
         raw = torch.empty(len(hashes), *self.wire_spec.block_shape, dtype=torch.uint8)
         got = self.inner.get_into(hashes, raw)

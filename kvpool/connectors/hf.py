@@ -88,6 +88,9 @@ class CacheLayout:
 
     @property
     def is_hybrid(self) -> bool:
+        """Whether some layers keep less than every token's KV (sliding window): such a model is handled exactly
+        or refused.
+        """
         kinds = {w is None for w in self.sliding_windows}
         return len(kinds) == 2
 
@@ -263,6 +266,10 @@ class HFConnector:
     """
 
     def __init__(self, model: Any, pool: BlockPool, spec: KVSpec) -> None:
+        """``model``: a transformers causal LM; ``pool``: a ``BlockPool`` (a ``PoolClient``); ``spec``: the
+        namespace's KVSpec, checked against the model's own (layers, heads, dtype, fingerprint) and the
+        pool's, so wrong KV can never be loaded.
+        """
         self.model = model
         self.pool = pool
         self.spec = spec
@@ -292,6 +299,7 @@ class HFConnector:
 
     @property
     def closed(self) -> bool:
+        """True after ``close``: the connector then refuses prefills."""
         return self._hook is None
 
     def _count_tokens(self, _module: Any, inputs: tuple[Any, ...], _output: Any) -> None:

@@ -30,13 +30,21 @@ from kvpool.core.spec import KVSpec, Namespace
 class BlockPool(Protocol):
     """The slice of ``PoolClient`` that connectors use."""
 
-    def hashes(self, token_ids: Any) -> list[bytes]: ...
+    def hashes(self, token_ids: Any) -> list[bytes]:
+        """The block-hash chain of a prompt in the pool's namespace (full blocks only)."""
+        ...
 
-    def lookup(self, hashes: Sequence[bytes]) -> int: ...
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` the pool holds."""
+        ...
 
-    def put(self, hashes: Sequence[bytes], blocks: Any) -> Any: ...
+    def put(self, hashes: Sequence[bytes], blocks: Any) -> Any:
+        """Store ``blocks`` ([n, *spec.block_shape]) under ``hashes``; present ones are skipped."""
+        ...
 
-    def get_into(self, hashes: Sequence[bytes], out: Any) -> int: ...
+    def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Copy the leading held blocks into ``out``, checksum-verified; returns how many."""
+        ...
 
 
 def pool_spec(pool: object) -> KVSpec | None:
@@ -65,6 +73,7 @@ class InProcessPool:
     """Test double of the pool in this process: ``capacity_blocks`` bounded, FIFO eviction."""
 
     def __init__(self, spec: KVSpec, salt: bytes = b"", capacity_blocks: int = 65_536) -> None:
+        """A dictionary of at most ``capacity_blocks`` blocks (oldest dropped first), for tests and examples."""
         if capacity_blocks <= 0:
             raise InvalidArgument("capacity_blocks must be positive")
         self.spec = spec
@@ -73,15 +82,18 @@ class InProcessPool:
         self._blocks: dict[bytes, tuple[bytes, int]] = {}
 
     def hashes(self, token_ids: Any) -> list[bytes]:
+        """The hash chain of ``token_ids`` in this pool's namespace."""
         return block_hashes(self.namespace, token_ids)
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` are held."""
         for i, h in enumerate(hashes):
             if h not in self._blocks:
                 return i
         return len(hashes)
 
     def put(self, hashes: Sequence[bytes], blocks: Any) -> int:
+        """Store blocks under ``hashes``; returns how many were new."""
         rows = _rows(blocks, self.spec, "blocks")
         if rows.shape[0] != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes for {rows.shape[0]} blocks")
@@ -97,6 +109,7 @@ class InProcessPool:
         return stored
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Copy the leading held blocks into ``out``, each checksum-verified; returns how many."""
         rows = _rows(out, self.spec, "out")
         if rows.shape[0] < len(hashes):
             raise InvalidArgument(f"out holds {rows.shape[0]} blocks, {len(hashes)} asked for")

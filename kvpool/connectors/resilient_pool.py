@@ -47,6 +47,10 @@ class ResilientPool:
         retry_interval_ms: int,
         address: str = "",
     ) -> None:
+        """``connect``: makes the underlying pool client (e.g. ``lambda: PoolClient.connect(...)``); while it is
+        unavailable every call is a miss and a reconnect is tried at most every ``retry_interval_ms`` on
+        ``clock``; ``address`` names the pool in logs.
+        """
         if retry_interval_ms <= 0:
             raise ValueError("retry_interval_ms must be positive")
         self._connect = connect
@@ -64,6 +68,7 @@ class ResilientPool:
 
     @property
     def available(self) -> bool:
+        """Whether the pool is connected and was not found down since."""
         return self._down_since_ms is None and self._client is not None
 
     def try_connect(self) -> bool:
@@ -121,24 +126,29 @@ class ResilientPool:
 
     # -- BlockPool --------------------------------------------------------------------------
     def hashes(self, token_ids: Any) -> list[bytes]:
+        """The hash chain of ``token_ids`` (computed locally: works while the pool is down)."""
         return block_hashes(self.namespace, token_ids)
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks held; 0 while the pool is down."""
         if not hashes:
             return 0
         return self._call(lambda c: c.lookup(hashes), 0)
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
+        """Read leading blocks into ``out``; 0 while the pool is down (the engine recomputes)."""
         if not hashes:
             return 0
         return self._call(lambda c: c.get_into(hashes, out), 0)
 
     def put(self, hashes: Sequence[bytes], blocks: Any) -> Any:
+        """Store blocks; skipped (counted) while the pool is down."""
         if not hashes:
             return None
         return self._call(lambda c: c.put(hashes, blocks), None)
 
     def close(self) -> None:
+        """Close the underlying client, if any."""
         with self._lock:
             client, self._client = self._client, None
         close = getattr(client, "close", None)

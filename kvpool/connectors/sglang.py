@@ -86,6 +86,10 @@ class HiCachePoolLogic:
     """Every HiCacheStorage method, over a ``BlockPool``; no SGLang import."""
 
     def __init__(self, pool: BlockPool, spec: KVSpec, salt: bytes = b"", layout: str | None = None) -> None:
+        """``pool``: a ``BlockPool`` of ``spec``'s blocks; ``salt``: the tenant salt when the pool has no
+        namespace of its own; ``layout``: SGLang's host-pool layout, taken from the registered host pool when
+        None.
+        """
         held = pool_spec(pool)
         if held is not None:
             held.require_same(spec, "sglang backend")
@@ -165,6 +169,7 @@ class HiCachePoolLogic:
         return value.detach().cpu().contiguous().reshape(1, *self.spec.block_shape)
 
     def exists(self, key: str) -> bool:
+        """Whether the page named by ``key`` is in the pool."""
         return self.pool.lookup(self._hashes([key])) == 1
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -172,11 +177,13 @@ class HiCachePoolLogic:
         return self.pool.lookup(self._hashes(keys)) if keys else 0
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store one page (HiCacheStorage.set); True when it is in the pool afterwards."""
         return self.batch_set([key], [value] if value is not None else None, target_location, target_sizes)
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
+        """Store pages (HiCacheStorage.batch_set); True when every one is in the pool afterwards."""
         if values is None:
             raise InvalidArgument("zero-copy set (target_locations only) needs SGLang's host pool; pass values")
         if len(values) != len(keys):
@@ -188,6 +195,7 @@ class HiCachePoolLogic:
         return True
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """One page as a tensor, or None on a miss (HiCacheStorage.get)."""
         got = self.batch_get([key], [target_location] if target_location is not None else None)
         return got[0]
 

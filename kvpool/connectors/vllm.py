@@ -113,6 +113,9 @@ class BackgroundSaver:
     """One named thread that puts gathered blocks into the pool, bounded by queued bytes."""
 
     def __init__(self, pool: BlockPool, max_pending_bytes: int, stats: ConnectorStats) -> None:
+        """Puts blocks into ``pool`` on one background thread, holding at most ``max_pending_bytes`` of copies
+        (more is dropped and counted in ``stats``: a save is an optimisation, never a stall).
+        """
         self._pool = pool
         self._max_pending_bytes = max_pending_bytes
         self._stats = stats
@@ -124,6 +127,7 @@ class BackgroundSaver:
         self._thread.start()
 
     def submit(self, hashes: list[bytes], blocks: torch.Tensor) -> bool:
+        """Queue one put; False (and counted) when the queue is full."""
         nbytes = blocks.numel() * blocks.element_size()
         with self._lock:
             if self._pending_bytes + nbytes > self._max_pending_bytes:
@@ -153,6 +157,7 @@ class BackgroundSaver:
             return self._idle.wait_for(lambda: self._pending_bytes == 0, timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the queued puts (up to ``timeout_s``) and stop the thread."""
         self.drain(timeout_s)
         self._queue.put(None)
         self._thread.join(timeout_s)
@@ -204,6 +209,7 @@ class VllmPoolConnectorLogic:
 
     # -- scheduler side -------------------------------------------------------------------
     def request_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+        """The pool hash chain of a request's prompt, computed once per request id."""
         if request_id not in self._hashes:
             self._hashes[request_id] = self.pool.hashes(list(token_ids))
         return self._hashes[request_id]
@@ -272,11 +278,15 @@ class VllmPoolConnectorLogic:
         return BlockTransfer(request_id, tuple(hashes), tuple(pages))
 
     def build_connector_meta(self, saves: Sequence[BlockTransfer]) -> ConnectorMetadata:
+        """The metadata the scheduler sends the workers for one step: the loads planned since the last step and
+        ``saves``.
+        """
         meta = ConnectorMetadata(loads=self._pending_loads, saves=list(saves))
         self._pending_loads = []
         return meta
 
     def request_finished(self, request_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """Forget a finished request; (False, None): vLLM may free its pages at once (saves copy them first)."""
         self._hashes.pop(request_id, None)
         self._offered.pop(request_id, None)
         self._saved_blocks.pop(request_id, None)
@@ -312,6 +322,9 @@ class VllmPoolConnectorLogic:
         return torch.empty(n, *(spec or self.spec).block_shape, dtype=self._views[0].dtype)  # fully overwritten
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        """Worker side: copy the planned pool blocks into vLLM's pages (a block that fails its checksum is
+        reported through ``get_block_ids_with_load_errors`` and recomputed).
+        """
         if not metadata.loads:
             return
         t0 = time.perf_counter()
@@ -330,6 +343,9 @@ class VllmPoolConnectorLogic:
         self.stats.load_s += time.perf_counter() - t0
 
     def wait_for_save(self, metadata: ConnectorMetadata) -> None:
+        """Worker side: gather the pages of the blocks to save into canonical blocks and hand them to the
+        background saver.
+        """
         self.stats.steps += 1
         if not metadata.saves:
             return
@@ -373,13 +389,16 @@ class VllmPoolConnectorLogic:
                 self._submit(list(save.hashes), full.cpu().contiguous())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def drain_saves(self, timeout_s: float = 30.0) -> bool:
+        """Wait up to ``timeout_s`` for queued saves to be stored; True when none is left."""
         return self._saver.drain(timeout_s) if self._saver is not None else True
 
     def shutdown(self) -> None:
+        """Stop the background saver after its queued puts."""
         if self._saver is not None:
             self._saver.stop()
             self._saver = None

@@ -171,6 +171,8 @@ class DaemonConfig:
     # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
     # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
     arena_handoff: str = "auto"
+    # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md). Not loopback needs ``insecure``.
+    metrics_listen: str = ""
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -184,6 +186,12 @@ class DaemonConfig:
             raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
         if self.arena_handoff not in ("auto", "file", "fd"):
             raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
+        if self.metrics_listen:
+            host, _, port = self.metrics_listen.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgument(
+                    f"metrics address {self.metrics_listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:9450"
+                )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
         self._refuse_open_listeners()
@@ -194,7 +202,8 @@ class DaemonConfig:
         validation, so the daemon refuses before it binds anything."""
         if self.insecure:
             return
-        open_ports = [a for a in (self.listen, self.cluster.data_listen) if a and not is_loopback_address(a)]
+        listeners = (self.listen, self.cluster.data_listen, self.metrics_listen)
+        open_ports = [a for a in listeners if a and not is_loopback_address(a)]
         if not open_ports:
             return
         missing = [

@@ -33,14 +33,17 @@ class ErrorCode(enum.Enum):
 
     @property
     def wire_name(self) -> str:
+        """The code's name on the wire (trailing metadata ``kvpool-error-code``)."""
         return self.value[0]
 
     @property
     def grpc_status(self) -> int:
+        """The number of the gRPC status code this error travels as."""
         return self.value[1]
 
     @classmethod
     def from_wire_name(cls, name: str) -> ErrorCode:
+        """The code a wire name names (unknown names become INTERNAL)."""
         for code in cls:
             if code.wire_name == name:
                 return code
@@ -56,6 +59,7 @@ class KVPoolError(Exception):
     code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(self, message: str, *, hint: str = "", code: ErrorCode | None = None) -> None:
+        """``message`` says what happened; ``hint`` what the caller should do about it."""
         if code is not None:
             self.code = code
         self.message = message
@@ -70,10 +74,16 @@ class KVPoolError(Exception):
 
 
 class InvalidArgument(KVPoolError):
+    """The request itself is wrong (a size, a shape, a limit): fix it; retrying will not help."""
+
     code = ErrorCode.INVALID_ARGUMENT
 
 
 class SpecMismatch(KVPoolError):
+    """Client and daemon disagree on a KVSpec (layout, dtype, digest): the same namespace must mean the same
+    bytes.
+    """
+
     code = ErrorCode.SPEC_MISMATCH
 
 
@@ -88,42 +98,62 @@ class UnsupportedModel(KVPoolError):
 
 
 class UnknownNamespace(KVPoolError):
+    """The node does not know this namespace (it restarted or retired it): say hello again (the clients do)."""
+
     code = ErrorCode.UNKNOWN_NAMESPACE
 
 
 class NotFound(KVPoolError):
+    """What the call names does not exist (a lease, a put, a route)."""
+
     code = ErrorCode.NOT_FOUND
 
 
 class CapacityExhausted(KVPoolError):
+    """A bound is reached (memory, leases, puts, namespaces, a quota) and nothing can be evicted to make room."""
+
     code = ErrorCode.CAPACITY_EXHAUSTED
 
 
 class LeaseExpired(KVPoolError):
+    """The read lease ended (its TTL passed) before the bytes were used: read again."""
+
     code = ErrorCode.LEASE_EXPIRED
 
 
 class ChecksumMismatch(KVPoolError):
+    """Bytes failed their checksum: the block is treated as a miss and recomputed, never served."""
+
     code = ErrorCode.CHECKSUM_MISMATCH
 
 
 class Unavailable(KVPoolError):
+    """The daemon (or a peer, or etcd) cannot be reached; the message names the address."""
+
     code = ErrorCode.UNAVAILABLE
 
 
 class DeadlineExceeded(KVPoolError):
+    """The call did not finish within its timeout."""
+
     code = ErrorCode.DEADLINE_EXCEEDED
 
 
 class VersionMismatch(KVPoolError):
+    """Client and daemon speak different protocol or hash-scheme versions: use one kvpool version."""
+
     code = ErrorCode.VERSION_MISMATCH
 
 
 class NotLeader(KVPoolError):
+    """This directory instance is a standby: ask the leader (clients follow it through etcd)."""
+
     code = ErrorCode.NOT_LEADER
 
 
 class PermissionDenied(KVPoolError):
+    """The credential may not do this (another tenant's namespace, an admin view)."""
+
     code = ErrorCode.PERMISSION_DENIED
 
 
@@ -134,10 +164,16 @@ class Unauthenticated(KVPoolError):
 
 
 class StorageFault(KVPoolError):
+    """A tier's storage failed (I/O error, disk full); the tier reports it and the node keeps serving from the
+    others.
+    """
+
     code = ErrorCode.STORAGE_FAULT
 
 
 class InternalError(KVPoolError):
+    """A bug: the daemon logged it (rate-limited) and kept serving."""
+
     code = ErrorCode.INTERNAL
 
 

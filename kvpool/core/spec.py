@@ -101,6 +101,7 @@ class KVSpec:
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes of one element of ``dtype``."""
         return DTYPE_BYTES[self.dtype]
 
     @property
@@ -110,10 +111,12 @@ class KVSpec:
 
     @property
     def bytes_per_token(self) -> int:
+        """KV bytes one token takes: layers x (K and V, or 1 for MLA) x kv_heads x head_dim x dtype bytes."""
         return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one canonical block (``block_tokens`` tokens)."""
         return self.bytes_per_token * self.block_tokens
 
     @property
@@ -143,6 +146,7 @@ class KVSpec:
         return xxhash.xxh3_128_digest(self.canonical_encoding())
 
     def describe(self) -> str:
+        """One line for logs and ``kvpool inspect namespaces``."""
         return (
             f"{self.model}@{self.revision or '-'} {self.kind} layers={self.num_layers} "
             f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} {self.dtype} "
@@ -159,10 +163,12 @@ class KVSpec:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-able dict (``from_dict`` reads it back)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVSpec:
+        """A KVSpec from ``to_dict``'s output; unknown keys are InvalidArgument."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:

@@ -61,8 +61,9 @@ class NodeBlockStore:
         """Lease the leading blocks of ``keys`` (hashes) *in this namespace*: the store key is
         namespace || hash, so a peer that learned another tenant's block hash (from KV
         events, say) asks for a key that does not exist and reads nothing."""
-        grant = self._node.store.lease(block_keys(namespace, keys))
-        self._node.count_read(namespace, len(grant.locations), len(keys))
+        wanted = block_keys(namespace, keys)
+        grant = self._node.store.lease(wanted)
+        self._node.count_read(namespace, len(grant.locations), len(keys), wanted[: len(grant.locations)])
         return LeasedBlocks(grant.lease_id, [(loc.offset, loc.size, loc.checksum) for loc in grant.locations])
 
     def drop_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:

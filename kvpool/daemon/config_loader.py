@@ -1,16 +1,20 @@
 """Daemon configuration from flags, ``KVPOOL_*`` environment variables and a TOML file.
 
 Precedence: command-line flag > environment variable > TOML file > built-in default.
-Each option has one row in ``OPTIONS``: its flag, its place in ``DaemonConfig`` (the
-TOML key: ``listen`` at top level, ``capacity_bytes`` under ``[store]``,
-``disk_dir`` under ``[tiers]``), its environment variable (the flag in upper case,
-``KVPOOL_`` prefixed) and its help text. Sizes accept suffixes: 512MiB, 2GiB, 1G.
+Each option has one row in ``OPTIONS``: its flag, its place in ``DaemonConfig`` and its
+help text. One name per option: the flag ``--host-name`` is the environment variable
+``KVPOOL_HOST_NAME`` and the TOML key ``host_name`` (in the table of its section:
+``capacity_bytes`` under ``[store]``, ``disk_dir`` under ``[tiers]``, ``host_name`` under
+``[cluster]``, ``listen`` at the top). ``kvpool serve --print-config`` prints every key with
+its effective value and where it came from; docs/kvpool.example.toml is that output for the
+defaults. Sizes accept suffixes: 512MiB, 2GiB, 1G.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import tomllib
@@ -85,6 +89,17 @@ class Option:
     def dest(self) -> str:
         return self.path.replace(".", "__")
 
+    @property
+    def section(self) -> str:
+        """The TOML table of the option ("" = top level)."""
+        return self.path.rpartition(".")[0]
+
+    @property
+    def key(self) -> str:
+        """The dotted TOML key: the section and the flag's name with underscores."""
+        leaf = self.flag.lstrip("-").replace("-", "_")
+        return f"{self.section}.{leaf}" if self.section else leaf
+
 
 OPTIONS: list[Option] = [
     Option(
@@ -144,6 +159,12 @@ OPTIONS: list[Option] = [
         "SIGBUS when the machine runs out. A switch (no value); env/TOML take true/false.",
         default_means="refuse to start",
     ),
+    Option(
+        "--max-pin-ttl-ms",
+        "store.max_pin_ttl_ms",
+        int,
+        "longest soft pin in ms (one day); renew a pin to keep it longer.",
+    ),
     Option("--host-policy", "tiers.host_policy", str, "eviction policy of the host tier."),
     Option(
         "--disk-dir",
@@ -195,6 +216,13 @@ OPTIONS: list[Option] = [
         "tiers.device_capacity_bytes",
         parse_bytes,
         "device (HBM) tier capacity; 0 = none.",
+    ),
+    Option("--device-policy", "tiers.device_policy", str, "eviction policy of the device tier."),
+    Option(
+        "--device",
+        "tiers.device",
+        str,
+        "torch device of the device (HBM) tier, e.g. cuda or cuda:1.",
     ),
     Option(
         "--device-high-watermark",
@@ -276,6 +304,14 @@ OPTIONS: list[Option] = [
         "namespace_idle_ms",
         int,
         "a namespace with no stored block and no call for this long is retired.",
+    ),
+    Option(
+        "--metrics-listen",
+        "metrics_listen",
+        str,
+        "serve Prometheus metrics (GET /metrics) on this HOST:PORT, e.g. 127.0.0.1:9450; a host off "
+        "loopback needs --insecure (metrics carry no authentication). See docs/metrics.md.",
+        default_means="off",
     ),
     Option(
         "--directory",
@@ -383,7 +419,13 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE.toml",
         default=None,
-        help="TOML file with the same options (top-level keys, [store] and [tiers] tables); env: KVPOOL_CONFIG",
+        help="TOML file with the same options, each named as its flag with underscores, in the table of its "
+        "section ([store], [tiers], [cluster]; see docs/kvpool.example.toml); env: KVPOOL_CONFIG",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config as TOML, each key with where its value came from, and exit",
     )
     for opt in OPTIONS:
         if opt.parse is parse_switch:  # a bare flag; its env var and TOML key take true/false
@@ -430,25 +472,51 @@ def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> DaemonConfig:
     """Merge defaults, the TOML file, the environment and the flags into a DaemonConfig."""
+    return load_config_sources(args, environ)[0]
+
+
+def _toml_option(key: str, config_file: str) -> Option:
+    """The option a TOML key names: its key, or (accepted, not documented) its field path."""
+    for opt in OPTIONS:
+        if key in (opt.key, opt.path):
+            return opt
+    leaf = key.rpartition(".")[2]
+    elsewhere = [opt.key for opt in OPTIONS if opt.key.rpartition(".")[2] == leaf]
+    if elsewhere:
+        section = elsewhere[0].rpartition(".")[0]
+        where = f"under [{section}]" if section else "at the top level (before any [table])"
+        hint = f"write it {where}; 'kvpool serve --print-config' shows every key in its place"
+    else:
+        close = difflib.get_close_matches(key, [opt.key for opt in OPTIONS], n=3)
+        hint = (f"did you mean {', '.join(close)}? " if close else "") + "'kvpool serve --print-config' lists every key"
+    raise InvalidArgument(f"unknown key {key!r} in {config_file}", hint=hint)
+
+
+def load_config_sources(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[DaemonConfig, dict[str, str]]:
+    """The merged DaemonConfig and, per option path set by something other than the default,
+    where its value came from ("file PATH", "env NAME", "flag --NAME")."""
     by_path = {opt.path: opt for opt in OPTIONS}
     merged: dict[str, Any] = {}
-    config_file = args.config or environ.get("KVPOOL_CONFIG")
+    sources: dict[str, str] = {}
+    config_file = getattr(args, "config", None) or environ.get("KVPOOL_CONFIG")
     if config_file:
         try:
             with open(config_file, "rb") as fh:
                 table = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from exc
-        for path, value in _flatten(table).items():
-            if path not in by_path:
-                raise InvalidArgument(f"unknown key {path!r} in {config_file}", hint=f"known: {sorted(by_path)}")
-            merged[path] = value
+        for key, value in _flatten(table).items():
+            opt = _toml_option(key, config_file)
+            merged[opt.path] = value
+            sources[opt.path] = f"file {config_file}"
     for opt in OPTIONS:
         if opt.env in environ:
             merged[opt.path] = environ[opt.env]
+            sources[opt.path] = f"env {opt.env}"
         flag_value = getattr(args, opt.dest, None)
         if flag_value is not None:
             merged[opt.path] = flag_value
+            sources[opt.path] = f"flag {opt.flag}"
     nested: dict[str, Any] = {}
     for path, raw in merged.items():
         opt = by_path[path]
@@ -461,7 +529,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> DaemonC
     store = dataclasses.replace(base.store, **nested.pop("store", {}))
     tiers = dataclasses.replace(base.tiers, **nested.pop("tiers", {}))
     cluster = dataclasses.replace(base.cluster, **nested.pop("cluster", {}))
-    return dataclasses.replace(base, store=store, tiers=tiers, cluster=cluster, **nested)
+    return dataclasses.replace(base, store=store, tiers=tiers, cluster=cluster, **nested), sources
 
 
 def environ() -> Mapping[str, str]:

@@ -25,6 +25,7 @@ from kvpool.core.events import EventKind
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import NAMESPACE_BYTES, group_by_namespace, key_namespace
 from kvpool.core.spec import KVSpec
+from kvpool.daemon.block_history import HotBlocks, Removal, RemovalLog
 from kvpool.daemon.counters import TrafficCounters
 from kvpool.daemon.event_log import EventLog
 from kvpool.rpc.errors import RateLimitedLog
@@ -72,6 +73,10 @@ class PoolNode:
         self._next_retire_ms = clock.now_ms() + NAMESPACE_RETIRE_INTERVAL_MS
         self.namespaces_retired = 0
         self.counters = TrafficCounters()  # lookups and reads, per namespace and tier
+        # bounded records for kvpool inspect lookup / hot (kvpool.daemon.block_history)
+        self.removals = RemovalLog()
+        self.hot = HotBlocks()
+        self._why = threading.local()  # the reason of a removal this thread is making
         # a flood of Hellos must not flood the log: one line per interval, with a count
         self._registered_log = RateLimitedLog(log, REGISTER_LOG_INTERVAL_S, level=logging.INFO)
         self.store = build_node_store(config, self.arena.view, clock, self._on_event, capability_id)
@@ -84,6 +89,25 @@ class PoolNode:
         for ns, hashes in group_by_namespace(keys).items():
             info = self._namespaces.get(ns)
             self.events.append(kind, hashes, ns, info.spec.block_tokens if info else 0, tier=tier)
+        if kind is EventKind.REMOVED:
+            reason = getattr(self._why, "reason", "evicted")  # what the store does on its own is evicting
+            policy = self.tier_policy(tier) if reason == "evicted" else ""
+            self.removals.on_removed(keys, Removal(reason, tier, policy, self._clock.now_ms()))
+        elif kind is EventKind.STORED:
+            self.removals.on_stored(keys)
+
+    def tier_policy(self, tier: str) -> str:
+        """The eviction policy of ``tier`` (its config name)."""
+        tiers = self.config.tiers
+        return {"host": tiers.host_policy, "disk": tiers.disk_policy, "device": tiers.device_policy}.get(tier, "")
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """A client's (or an operator's) Remove: recorded as ``removed``, not as an eviction."""
+        self._why.reason = "removed"
+        try:
+            return self.store.remove(keys)
+        finally:
+            del self._why.reason
 
     def register(self, hash_scheme: str, spec: KVSpec, namespace: bytes, spec_digest: bytes) -> NamespaceInfo:
         if hash_scheme != HASH_SCHEME:
@@ -176,16 +200,20 @@ class PoolNode:
     def lease(self, info: NamespaceInfo, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading blocks of ``keys`` for a reader, counted as one read."""
         grant = self.store.lease(keys)
-        self.count_read(info.digest, len(grant.locations), len(keys))
+        self.count_read(info.digest, len(grant.locations), len(keys), keys[: len(grant.locations)])
         return grant
 
-    def count_read(self, namespace: bytes, served_blocks: int, asked_blocks: int) -> None:
-        """Count one read. A namespace not registered (any more) is not counted, so the
-        per-namespace counters stay bounded by the namespace table (a data-plane read of an
-        unknown namespace is refused before it leases anything)."""
+    def count_read(
+        self, namespace: bytes, served_blocks: int, asked_blocks: int, served_keys: Sequence[bytes] = ()
+    ) -> None:
+        """Count one read (and its ``served_keys`` in the hot-block counts of ``kvpool inspect
+        hot``). A namespace not registered (any more) is not counted, so the per-namespace
+        counters stay bounded by the namespace table (a data-plane read of an unknown namespace
+        is refused before it leases anything)."""
         info = self._namespaces.get(namespace)
         if info is not None:
             self.counters.count_read(namespace, info.spec.block_tokens, served_blocks, asked_blocks)
+            self.hot.on_read(served_keys)
 
     def drop_corrupt(self, info: NamespaceInfo, keys: Sequence[bytes]) -> int:
         """A reader says these blocks of its namespace failed their checksum: re-verify each
@@ -194,7 +222,11 @@ class PoolNode:
         put stores fresh bytes). ``keys`` are built from the caller's namespace (``block_keys``),
         so a report can only ever reach its own blocks; a block that verifies is kept. Returns
         how many were dropped."""
-        dropped = self.store.drop_corrupt(keys)
+        self._why.reason = "checksum_failure"
+        try:
+            dropped = self.store.drop_corrupt(keys)
+        finally:
+            del self._why.reason
         if dropped:
             log.warning(
                 "namespace %s: %d blocks reported corrupt failed their checksum here too and were dropped",

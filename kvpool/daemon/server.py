@@ -21,11 +21,13 @@ from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import Unavailable
 from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.arena_handoff import ArenaHandoff
+from kvpool.daemon.metrics import NodeCollector
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
 from kvpool.proto import pool_pb2
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.credentials import load_credentials, load_tls
+from kvpool.rpc.metrics import ServiceMetrics
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.server")
@@ -47,9 +49,12 @@ class PoolServer:
             self.handoff = ArenaHandoff(
                 self.node.arena, config.arena_dir, self.credentials, self.node.store.put_pending
             )
+        # /metrics reads the node's own counters at scrape time (docs/metrics.md)
+        self.metrics = ServiceMetrics(NodeCollector(self.node), "pool")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
+            interceptors=self.metrics.interceptors(bool(config.metrics_listen)),  # none without /metrics
         )
         service = PoolService(
             self.node,
@@ -83,6 +88,11 @@ class PoolServer:
             )
         if self.handoff is not None:
             self.handoff.start(self.supervisor)
+        try:
+            self.metrics.serve(self.config.metrics_listen, self.supervisor.spawn)
+        except BaseException:  # the metrics port is taken: shut down whole, then report
+            self.stop()
+            raise
         self._server.start()
         self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
@@ -110,6 +120,7 @@ class PoolServer:
             self.cluster.stop()
         if self.handoff is not None:
             self.handoff.stop()  # before the supervisor joins its accept thread
+        self.metrics.stop()  # ends its serve loop, which the supervisor joins
         self.supervisor.stop()
         self.node.events.close()
         self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)

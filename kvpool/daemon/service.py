@@ -37,6 +37,7 @@ from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
 from kvpool.core.keys import BlockKeys, hashes_of, key_hash
+from kvpool.daemon import introspect
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import principal_of
@@ -228,7 +229,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
     def Remove(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.RemoveReply:
         _, keys = self._keys(request, context)
         self._release(request.release_lease_ids)  # a client's pending releases ride on any call
-        return pool_pb2.RemoveReply(removed=self.node.store.remove(keys))
+        return pool_pb2.RemoveReply(removed=self.node.remove(keys))
 
     @typed_handler
     def ReportCorrupt(
@@ -254,6 +255,12 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             raise InvalidArgument("a soft pin needs ttl_ms > 0", hint="set hard=true for a pin without TTL")
         ttl_ms = None if request.hard else int(request.ttl_ms)
         return pool_pb2.PinReply(changed=self.node.store.pin(keys, ttl_ms))
+
+    @typed_handler
+    def Inspect(self, request: pool_pb2.InspectRequest, context: grpc.ServicerContext) -> pool_pb2.StatsReply:
+        """kvpool inspect lookup / hot: an admin view (kvpool.daemon.introspect)."""
+        self._require_admin(self._caller(context), f"Inspect {request.what[:32]!r}")
+        return pool_pb2.StatsReply(json=json.dumps(introspect.inspect(self.node, request)))
 
     @typed_handler
     def Stats(self, request: pool_pb2.StatsRequest, context: grpc.ServicerContext) -> pool_pb2.StatsReply:

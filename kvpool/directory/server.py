@@ -23,11 +23,13 @@ from kvpool.core.supervisor import Supervisor
 from kvpool.directory.election import LeaderElection
 from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.membership import MemberWatch
+from kvpool.directory.metrics import DirectoryCollector
 from kvpool.directory.service import DirectoryService
 from kvpool.directory.state import DirectoryDB, DirectoryState
 from kvpool.proto import directory_pb2
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.credentials import load_credentials, load_token
+from kvpool.rpc.metrics import ServiceMetrics
 from kvpool.rpc.serving import add_typed_service
 
 log = logging.getLogger("kvpool.directory.server")
@@ -49,6 +51,7 @@ class DirectoryConfig:
     credentials_file: str = ""  # who may call (docs/security.md); "" = anyone, loopback only unless insecure
     cluster_token_file: str = ""  # the cluster token, presented to nodes when forwarding removes / pins
     insecure: bool = False  # allow a non-loopback listener without credentials
+    metrics_listen: str = ""  # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md)
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -60,6 +63,11 @@ class DirectoryConfig:
             raise InvalidArgument(
                 f"refusing to listen on {self.listen} (not loopback) without --credentials",
                 hint="configure credentials (docs/security.md), keep it on 127.0.0.1, or pass --insecure",
+            )
+        if self.metrics_listen and not self.insecure and not is_loopback_address(self.metrics_listen):
+            raise InvalidArgument(
+                f"refusing to serve metrics on {self.metrics_listen} (not loopback): /metrics has no authentication",
+                hint="keep --metrics-listen on 127.0.0.1 (scrape through a proxy), or pass --insecure",
             )
 
 
@@ -84,9 +92,11 @@ class DirectoryServer:
             credentials=load_credentials(config.credentials_file),
             cluster_token=load_token(config.cluster_token_file),
         )
+        self.metrics = ServiceMetrics(DirectoryCollector(self.state.summary, self.is_leader), "directory")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
             options=server_options(config.max_message_bytes),
+            interceptors=self.metrics.interceptors(bool(config.metrics_listen)),  # none without /metrics
         )
         # a node's Register carries every block key it holds: the only bound is the message size
         add_typed_service(self._server, self.service, directory_pb2, "Directory", config.max_message_bytes)
@@ -132,6 +142,7 @@ class DirectoryServer:
             self.election.start(self.supervisor.fail, first_round_s=self.etcd.timeout_s * 2)
             self.members.start(self.supervisor.fail)
             self.supervisor.every("etcd-nodes", self.config.expire_interval_ms, self._check_etcd_nodes)
+        self.metrics.serve(self.config.metrics_listen, self.supervisor.spawn)
         self._server.start()
         self.supervisor.every("expire", self.config.expire_interval_ms, self._expire)
         if self.db is not None:
@@ -158,6 +169,7 @@ class DirectoryServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.metrics.stop()
         self.supervisor.stop()
         if self.election is not None:
             self.election.resign()

@@ -194,6 +194,20 @@ class StatsReply(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class InspectRequest(_message.Message):
+    __slots__ = ("what", "namespace", "hashes", "token_ids", "limit")
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    what: str
+    namespace: bytes
+    hashes: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    limit: int
+    def __init__(self, what: _Optional[str] = ..., namespace: _Optional[bytes] = ..., hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ...) -> None: ...
+
 class EventsRequest(_message.Message):
     __slots__ = ("from_seq", "namespace", "all_namespaces")
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,11 @@ class PoolStub:
                 request_serializer=kvpool_dot_proto_dot_pool__pb2.HashesRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_pool__pb2.ReportCorruptReply.FromString,
                 _registered_method=True)
+        self.Inspect = channel.unary_unary(
+                '/kvpool.v1.Pool/Inspect',
+                request_serializer=kvpool_dot_proto_dot_pool__pb2.InspectRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_pool__pb2.StatsReply.FromString,
+                _registered_method=True)
 
 
 class PoolServicer:
@@ -182,6 +187,12 @@ class PoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Inspect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +260,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.ReportCorrupt,
                     request_deserializer=kvpool_dot_proto_dot_pool__pb2.HashesRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_pool__pb2.ReportCorruptReply.SerializeToString,
+            ),
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=kvpool_dot_proto_dot_pool__pb2.InspectRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_pool__pb2.StatsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +618,33 @@ class Pool:
             '/kvpool.v1.Pool/ReportCorrupt',
             kvpool_dot_proto_dot_pool__pb2.HashesRequest.SerializeToString,
             kvpool_dot_proto_dot_pool__pb2.ReportCorruptReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Pool/Inspect',
+            kvpool_dot_proto_dot_pool__pb2.InspectRequest.SerializeToString,
+            kvpool_dot_proto_dot_pool__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,

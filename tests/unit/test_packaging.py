@@ -77,3 +77,12 @@ def test_dev_setup_installs_the_nixl_pin_the_transport_names() -> None:
     script = (ROOT / "tools" / "dev.sh").read_text()
     assert f'NIXL_REQUIREMENT="{NIXL_REQUIREMENT}"' in script
     assert '--no-deps "$NIXL_REQUIREMENT"' in script
+
+
+def test_version_matches_pyproject() -> None:
+    import tomllib
+
+    from kvpool.core.version import VERSION
+
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert project["version"] == VERSION

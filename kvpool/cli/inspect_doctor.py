@@ -1,0 +1,210 @@
+"""``kvpool inspect doctor``: check what a pool needs and say what to fix.
+
+Each check gives ok / warn / fail / skip, what it found and, unless ok, what to do:
+  config        the effective daemon config (flags are not read here: --config FILE.toml,
+                KVPOOL_* env) parses and validates
+  daemon        the daemon at --address answers Stats (and which node it is)
+  arena         the arena directory exists, is writable, and is tmpfs with room for capacity
+  memory        MemAvailable (plus the running daemon's own arena) covers capacity_bytes
+  disk tier     when configured: the directory is writable and has room for its capacity
+  etcd          when configured: each endpoint answers GET /health
+  ucx           ucxx imports, and the UCX components it would use (tcp, shared memory, RDMA)
+The exit code is 1 when any check fails, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.table import Table
+
+from kvpool.cli.inspect import address_of, open_admin
+from kvpool.cli.inspect_render import human_bytes, make_console
+from kvpool.core.config import DaemonConfig
+from kvpool.core.errors import KVPoolError
+
+ETCD_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok | warn | fail | skip
+    detail: str
+    fix: str = ""
+
+
+def _config(args: argparse.Namespace) -> tuple[Check, DaemonConfig]:
+    from kvpool.daemon.config_loader import environ, load_config
+
+    path = args.config or os.environ.get("KVPOOL_CONFIG")
+    parsed = argparse.Namespace(config=args.config)
+    try:
+        config = load_config(parsed, environ())
+    except KVPoolError as err:
+        return Check("config", "fail", err.message, err.hint or "fix the file or the KVPOOL_* variable it names"), (
+            DaemonConfig()
+        )
+    source = path or "built-in defaults and KVPOOL_* environment"
+    detail = f"{source}: listen {config.listen}, capacity {human_bytes(config.store.capacity_bytes)}"
+    return Check("config", "ok", detail), config
+
+
+def _daemon(args: argparse.Namespace) -> tuple[Check, dict[str, Any] | None]:
+    address = address_of(args)
+    try:
+        with open_admin(args, address) as admin:
+            stats = admin.stats()
+    except KVPoolError as err:
+        return Check("daemon", "fail", f"{address}: {err.message}", err.hint or "start it: kvpool serve"), None
+    used = f"{human_bytes(stats.get('used_bytes', 0))} of {human_bytes(stats.get('capacity_bytes', 0))} used"
+    return Check("daemon", "ok", f"{address}: node {stats.get('node_id', '?')}, {used}"), stats
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/mounts), or ""."""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as fh:
+            mounts = [line.split()[:3] for line in fh]
+    except OSError:
+        return ""
+    real = os.path.realpath(path)
+    best = ("", "")
+    for _, mount_point, fs in mounts:
+        if (real == mount_point or real.startswith(mount_point.rstrip("/") + "/")) and len(mount_point) > len(best[0]):
+            best = (mount_point, fs)
+    return best[1]
+
+
+def _directory(name: str, path: str, need_bytes: int, running: bool, want_tmpfs: bool) -> Check:
+    if not os.path.isdir(path):
+        return Check(
+            name, "fail", f"{path} does not exist", f"create it (mkdir -p {path}) or point the option elsewhere"
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        return Check(
+            name, "fail", f"{path} is not writable by uid {os.getuid()}", f"chown/chmod {path}, or use another"
+        )
+    free = shutil.disk_usage(path).free
+    fs = _fs_type(path)
+    detail = f"{path} ({fs or 'unknown fs'}): {human_bytes(free)} free, {human_bytes(need_bytes)} configured"
+    if want_tmpfs and fs and fs not in ("tmpfs", "hugetlbfs"):
+        return Check(name, "warn", detail, "use a tmpfs (e.g. /dev/shm) so same-host clients map memory, not disk")
+    if free < need_bytes and not running:
+        return Check(name, "fail", detail, "free space, lower the capacity, or pick another directory")
+    return Check(name, "ok", detail)
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _memory(config: DaemonConfig, stats: dict[str, Any] | None) -> Check:
+    available = _mem_available_bytes()
+    if not available:
+        return Check("memory", "skip", "no /proc/meminfo")
+    need = config.store.capacity_bytes
+    reserved = int(stats.get("capacity_bytes", 0)) if stats else 0  # a running daemon already holds its arena
+    detail = f"MemAvailable {human_bytes(available)}; capacity {human_bytes(need)}"
+    if reserved:
+        detail += f" (the running daemon holds {human_bytes(reserved)} already)"
+    if need > available + reserved:
+        return Check(
+            "memory", "fail", detail, "lower --capacity-bytes, or free memory (the arena is reserved at start)"
+        )
+    if need > 0.8 * (available + reserved):
+        return Check("memory", "warn", detail, "little room is left for engines and clients: consider a smaller arena")
+    return Check("memory", "ok", detail)
+
+
+def _etcd(endpoints: list[str]) -> Check:
+    if not endpoints:
+        return Check("etcd", "skip", "not configured (single machine: no etcd needed)")
+    bad = []
+    for endpoint in endpoints:
+        url = endpoint if "://" in endpoint else f"http://{endpoint}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=ETCD_TIMEOUT_S) as reply:
+                healthy = json.loads(reply.read() or b"{}").get("health") in ("true", True)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            bad.append(f"{endpoint} ({getattr(exc, 'reason', exc)})")
+            continue
+        if not healthy:
+            bad.append(f"{endpoint} (unhealthy)")
+    if bad:
+        return Check("etcd", "fail", "unreachable: " + ", ".join(bad), "start etcd, or fix --etcd / [cluster] etcd")
+    return Check("etcd", "ok", f"{len(endpoints)} endpoints healthy: {', '.join(endpoints)}")
+
+
+def _ucx(config: DaemonConfig) -> Check:
+    import importlib.util
+    import re
+
+    wanted = config.cluster.transport == "ucx"
+    if importlib.util.find_spec("ucxx") is None:
+        status = "fail" if wanted else "skip"
+        return Check(
+            "ucx", status, "ucxx is not installed: the data plane uses TCP sockets", "pip install 'kvpool[ucx]'"
+        )
+    try:
+        import ucxx._lib.libucxx as ucx_api  # type: ignore[import-untyped]
+
+        context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        components = sorted(set(re.findall(r"md \d+\s*:\s*component \d+\s+(\S+)", context.info)))
+        tls = context.config.get("TLS", "")
+    except Exception as exc:  # a broken UCX install must not crash the doctor
+        return Check("ucx", "fail", f"ucxx does not start: {exc}", "check the UCX install (ucx_info -v)")
+    rdma = [c for c in components if c in ("ib", "rdmacm", "gga", "rocm", "cuda_ipc")]
+    detail = f"components {', '.join(components)}; UCX_TLS={tls}; " + (
+        "RDMA: " + ", ".join(rdma) if rdma else "no RDMA"
+    )
+    return Check("ucx", "ok", detail)
+
+
+def run_checks(args: argparse.Namespace) -> list[Check]:
+    config_check, config = _config(args)
+    daemon_check, stats = _daemon(args)
+    running = stats is not None
+    checks = [config_check, daemon_check]
+    checks.append(_directory("arena", config.arena_dir, config.store.capacity_bytes, running, want_tmpfs=True))
+    checks.append(_memory(config, stats))
+    if config.tiers.disk_dir:
+        checks.append(_directory("disk tier", config.tiers.disk_dir, config.tiers.disk_capacity_bytes, running, False))
+    else:
+        checks.append(Check("disk tier", "skip", "no --disk-dir: host memory only"))
+    etcd = args.etcd if args.etcd is not None else config.cluster.etcd
+    checks.append(_etcd([e.strip() for e in etcd.split(",") if e.strip()]))
+    checks.append(_ucx(config))
+    return checks
+
+
+STYLE: dict[str, str] = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def doctor(args: argparse.Namespace, checks_of: Callable[[argparse.Namespace], list[Check]] = run_checks) -> int:
+    checks = checks_of(args)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        table = Table(title="kvpool doctor", title_justify="left")
+        for column in ("check", "status", "found", "fix"):
+            table.add_column(column, overflow="fold")
+        for c in checks:
+            table.add_row(c.name, f"[{STYLE[c.status]}]{c.status}[/]", c.detail, c.fix)
+        make_console().print(table)
+    return 1 if any(c.status == "fail" for c in checks) else 0

@@ -1,0 +1,106 @@
+"""``kvpool top`` in a real pseudo-terminal against a real daemon: it takes the alternate
+screen, redraws in place (cursor home, no scrolling log), shows the node, its tiers and hit
+rate, and quits on ``q`` or Ctrl-C, restoring the screen. Piped, it prints plain frames."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import termios
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO_ROOT, DaemonHandle
+
+from kvpool import KVSpec, PoolClient
+
+SPEC = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+ALT_SCREEN_ON, ALT_SCREEN_OFF = b"\x1b[?1049h", b"\x1b[?1049l"
+WAIT_S = 60.0
+
+
+def _own_terminal() -> None:
+    """In the child: a new session whose controlling terminal is the pty (so Ctrl-C typed
+    there is SIGINT to top, as in a real terminal)."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def start_top(address: str) -> tuple[subprocess.Popen[bytes], int]:
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {"COLUMNS": "160", "LINES": "50"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli.main", "top", "--address", address, "--interval-s", "0.2"],
+        cwd=REPO_ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=_own_terminal,
+    )  # fmt: skip
+    os.close(slave)
+    return proc, master
+
+
+def read_until(master: int, done: object, sink: bytearray) -> None:
+    """Read the terminal until ``done(sink)`` (behaviour, not timing: the bound stops a hang)."""
+    deadline = time.monotonic() + WAIT_S
+    while not done(sink):  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out; screen so far: {bytes(sink[-2000:])!r}"
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                sink.extend(os.read(master, 65536))
+            except OSError:  # the child closed the terminal
+                return
+
+
+def drain_until_exit(proc: subprocess.Popen[bytes], master: int, sink: bytearray) -> int:
+    deadline = time.monotonic() + WAIT_S
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "top did not exit"
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                sink.extend(os.read(master, 65536))
+            except OSError:
+                break
+    return proc.wait(10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("quit_key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
+def test_top_redraws_in_place_and_quits(pool_daemon: DaemonHandle, quit_key: bytes) -> None:
+    with PoolClient.connect(pool_daemon.address, SPEC) as client:
+        hashes = client.hashes(list(range(16 * 4)))
+        client.put(hashes[:3], np.zeros((3, *SPEC.block_shape), dtype=np.float16))
+        client.lookup(hashes)  # 3 of 4 blocks
+    proc, master = start_top(pool_daemon.address)
+    screen = bytearray()
+    try:
+        read_until(master, lambda s: s.count(b"kvpool top") >= 3, screen)  # three refreshes
+        assert ALT_SCREEN_ON in screen  # full screen, not a scrolling log
+        text = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", bytes(screen))  # the characters drawn, without styles
+        assert b"75.0% (3 of 4 blocks)" in text and b"host" in text and b"throughput" in text
+        os.write(master, quit_key)
+        assert drain_until_exit(proc, master, screen) == 0
+        assert ALT_SCREEN_OFF in screen[screen.rindex(b"kvpool top") :]  # the terminal is given back
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        os.close(master)
+
+
+def test_top_piped_prints_plain_frames(pool_daemon: DaemonHandle) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "top", "--iterations", "2", "--interval-s", "0.1",
+         "--address", pool_daemon.address],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("lookup hit rate n/a" in line for line in lines)
+    assert "\x1b" not in done.stdout
