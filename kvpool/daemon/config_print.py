@@ -48,6 +48,7 @@ def render_config(config: DaemonConfig, sources: Mapping[str, str]) -> str:
             out.append(f"\n[{section}]")
         for opt in options:
             out.append(f"# {opt.flag} / {opt.env} ({sources.get(opt.path, 'default')})")
-            out.extend(f"#   {line}" for line in textwrap.wrap(f"{opt.help} {default_help(opt)}", width=94, break_on_hyphens=False))
+            text = f"{opt.help} {default_help(opt)}"
+            out.extend(f"#   {line}" for line in textwrap.wrap(text, width=94, break_on_hyphens=False))
             out.append(f"{opt.key.rpartition('.')[2]} = {toml_value(_value(config, opt))}")
     return "\n".join(out) + "\n"
