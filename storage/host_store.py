@@ -372,6 +372,17 @@ class HostStore:
             self._buffer[offset : offset + pending.block_bytes] = data.reshape(-1).view(np.uint8)
             return True
 
+    def owner_of(self, capability_id: int) -> bytes | None:
+        """The namespace of a live lease or pending put (the daemon counts a Release,
+        PutCommit or PutAbort, which name no namespace, against it for per-tenant
+        fairness), or None when the id is neither."""
+        with self._lock:
+            pending = self._pending.get(capability_id)
+            if pending is not None:
+                return pending.namespace
+            lease = self._leases.get(capability_id)
+            return lease.entries[0].namespace if lease is not None and lease.entries else None
+
     def put_pending(self, put_id: int) -> bool:
         """Whether ``put_id`` is a put started and not yet committed, aborted or reclaimed
         (the arena hand-off gives a writable mapping only to a client holding one)."""

@@ -229,6 +229,9 @@ class TieredStore:
     def release_many(self, lease_ids: Sequence[int]) -> int:
         return self.host.release_many(lease_ids)
 
+    def owner_of(self, capability_id: int) -> bytes | None:
+        return self.host.owner_of(capability_id)
+
     # -- writes --------------------------------------------------------------------------
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve host slots for keys no tier holds; keys only a lower tier holds are

@@ -166,6 +166,13 @@ class DaemonConfig:
     # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
     # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
     arena_handoff: str = "auto"
+    # per-tenant fairness (kvpool/daemon/fairness.py): cost units one tenant may have in flight
+    # (0 = off), worker threads one tenant may hold (0 = half of grpc_workers), and how long a
+    # call over its tenant's budget waits for room before it is refused TENANT_BUSY
+    tenant_budget_units: int = 64
+    tenant_rate_units_per_s: int = 1000  # cost units one tenant may spend per second (0 = no rate)
+    tenant_max_calls: int = 0
+    tenant_wait_ms: int = 200
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -177,6 +184,14 @@ class DaemonConfig:
             raise InvalidArgument(f"admin_views {self.admin_views!r} is not 'loopback', 'on' or 'off'")
         if self.max_namespaces <= 0 or self.namespace_idle_ms <= 0:
             raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
+        tenant_limits = (
+            self.tenant_budget_units,
+            self.tenant_rate_units_per_s,
+            self.tenant_max_calls,
+            self.tenant_wait_ms,
+        )
+        if min(tenant_limits) < 0:
+            raise InvalidArgument("the --tenant-* limits must be >= 0")
         if self.arena_handoff not in ("auto", "file", "fd"):
             raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -203,6 +218,11 @@ class DaemonConfig:
                 hint="configure credentials and TLS (docs/security.md), keep the daemon on 127.0.0.1, "
                 "or pass --insecure on a network you trust",
             )
+
+    @property
+    def tenant_calls(self) -> int:
+        """Worker threads one tenant may hold at once (``tenant_max_calls``, default half)."""
+        return self.tenant_max_calls or max(1, self.grpc_workers // 2)
 
     @property
     def arena_by_fd(self) -> bool:

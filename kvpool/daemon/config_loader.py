@@ -252,6 +252,33 @@ OPTIONS: list[Option] = [
         "firewalled network only). Default off.",
     ),
     Option(
+        "--tenant-budget-units",
+        "tenant_budget_units",
+        int,
+        "per-tenant fairness: cost units one tenant may have in flight (a call costs 1 + its hashes, "
+        "lease ids or checksums / 1024); a call over it waits --tenant-wait-ms, then TENANT_BUSY. "
+        "0 = off. Default 64. See docs/security.md.",
+    ),
+    Option(
+        "--tenant-rate-units-per-s",
+        "tenant_rate_units_per_s",
+        int,
+        "per-tenant fairness: cost units one tenant may spend per second (bursts of one budget pass at once); "
+        "a call past it waits up to --tenant-wait-ms for tokens, then TENANT_BUSY. 0 = no rate. Default 1000.",
+    ),
+    Option(
+        "--tenant-max-calls",
+        "tenant_max_calls",
+        int,
+        "worker threads one tenant may hold at once (calls in flight and waiting). Default 0 = half of --grpc-workers.",
+    ),
+    Option(
+        "--tenant-wait-ms",
+        "tenant_wait_ms",
+        int,
+        "how long a call over its tenant's budget or rate waits for room before TENANT_BUSY. Default 200.",
+    ),
+    Option(
         "--max-namespaces",
         "max_namespaces",
         int,
