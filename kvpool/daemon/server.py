@@ -42,6 +42,8 @@ class PoolServer:
         self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
         self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.node = PoolNode(config, MonotonicClock())
+        if self.credentials is not None and self.credentials.tenant_quotas():
+            self.node.store.set_tenant_quotas(self.credentials.tenant_quotas())  # before any put
         self.handoff: ArenaHandoff | None = None
         if config.arena_by_fd:
             self.handoff = ArenaHandoff(

@@ -341,6 +341,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
         summary.update(self.node.counters.summary())
+        summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (fairness.py)
+        summary["tenant_calls_refused"] = self.gate.refused
         summary.update(self._namespace_stats(request, principal))
         return pool_pb2.StatsReply(json=json.dumps(summary, sort_keys=True))
 
