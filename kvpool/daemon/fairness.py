@@ -7,21 +7,26 @@ takes most of the daemon's time and every worker, and another tenant's lookup wa
 behind all of it (issue 10's benchmark target: the victim's lookup p99 within 2x of idle).
 
 The rule (``TenantGate.admit``), per tenant (the credential's tenant name; without
-credentials, the request's namespace, or the connection for calls that name none):
+credentials, the request's namespace, or the namespace of the lease or put a call names;
+admin and cluster credentials are not gated):
 
 - a call costs ``1 + items // COST_ITEMS_PER_UNIT`` units, ``items`` being the hashes,
   lease ids or checksums it carries (a 4,096-hash lookup costs 5, a 1-hash one 1; calls
   that scan the whole store, ``Snapshot``, cost a whole budget);
 - a tenant may have at most ``budget_units`` units in flight; a call that does not fit
   waits (its tenant's calls are admitted in arrival order, so a large call is not starved
-  by a stream of small ones) up to ``wait_ms`` for the tenant's own calls to finish, then is refused
+  by a stream of small ones) up to ``wait_ms`` for the tenant's own calls to finish, then
+  is refused
   ``TenantBusy`` (``TENANT_BUSY``, gRPC RESOURCE_EXHAUSTED), having done nothing. A call
   that finds none of its tenant's calls in flight is always admitted, whatever its cost,
   so the largest allowed request still works, one at a time;
-- a tenant may spend at most ``rate_units_per_s`` units per second (a token bucket holding
-  one budget: bursts up to ``budget_units`` pass at once); a call past it waits for the
-  tokens, up to ``wait_ms``, then is refused. A refused call has still waited: a tenant
-  that retries at once is slowed down by its own refusals (the daemon still pays for
+- a tenant may spend at most ``rate_units_per_s`` units per second on bulk (the units of
+  a call beyond its first: a token bucket holding one budget, so bursts up to
+  ``budget_units`` pass at once); a call past it waits for the tokens, up to ``wait_ms``,
+  then is refused. Calls of one unit (under 1,024 items) are never rate-limited: a
+  tenant making many small calls is bounded by its worker threads, not by a call rate
+  that a busy engine could reach. A refused call has still waited: a tenant that
+  retries at once is slowed down by its own refusals (the daemon still pays for
   receiving each message: see docs/security.md for what this does not stop);
 - a tenant may hold at most ``max_requests`` worker threads (in flight and waiting
   together); past that a call is refused at once, so one tenant can never occupy every
@@ -31,7 +36,7 @@ Bounded: one small record per tenant with a call in flight (at most the worker c
 removed when its last call ends, and one token bucket per tenant seen lately
 (``MAX_BUCKETS``, least recently used forgotten). ``budget_units`` 0 turns the gate off. Tests:
 ``tests/unit/test_daemon_fairness.py`` (hypothesis: the bounds hold under any
-interleaving), ``tests/integration/test_tenancy.py::test_a_flooding_tenant_...``.
+interleaving), ``tests/integration/test_tenant_limits.py::test_a_flooding_tenant_...``.
 """
 
 from __future__ import annotations
@@ -142,7 +147,7 @@ class TenantGate:
                 now = self._clock()
                 if deadline is None:
                     deadline = now + self.wait_s
-                bucket = self._tokens(tenant, now) if self.rate_units_per_s else None
+                bucket = self._tokens(tenant, now) if self.rate_units_per_s and cost > 1 else None
                 fits = share.cost == 0 or share.cost + cost <= self.budget_units
                 if share.queue[0] == ticket and fits and (bucket is None or bucket[0] > 0):
                     break
@@ -165,7 +170,7 @@ class TenantGate:
             if now > deadline - self.wait_s:
                 self.waited += 1
             if bucket is not None:
-                bucket[0] -= min(cost, self.budget_units)  # a call that runs alone owes one budget at most
+                bucket[0] -= min(cost, self.budget_units) - 1  # the bulk part; a call alone owes one budget at most
             share.cost += cost
             self.admitted += 1
             self._cond.notify_all()  # the next in line may fit beside this one
