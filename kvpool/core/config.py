@@ -166,6 +166,9 @@ class DaemonConfig:
     # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
     # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
     arena_handoff: str = "auto"
+    # make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0): processes of its uid can then not
+    # open /proc/PID/fd, /proc/PID/mem or ptrace it (no core dumps either); "auto" = on with credentials
+    protect_process: str = "auto"
     # per-tenant fairness (kvpool/daemon/fairness.py): cost units one tenant may have in flight
     # (0 = off), worker threads one tenant may hold (0 = half of grpc_workers), and how long a
     # call over its tenant's budget waits for room before it is refused TENANT_BUSY
@@ -192,6 +195,8 @@ class DaemonConfig:
         )
         if min(tenant_limits) < 0:
             raise InvalidArgument("the --tenant-* limits must be >= 0")
+        if self.protect_process not in ("auto", "on", "off"):
+            raise InvalidArgument(f"protect_process {self.protect_process!r} is not 'auto', 'on' or 'off'")
         if self.arena_handoff not in ("auto", "file", "fd"):
             raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -223,6 +228,11 @@ class DaemonConfig:
     def tenant_calls(self) -> int:
         """Worker threads one tenant may hold at once (``tenant_max_calls``, default half)."""
         return self.tenant_max_calls or max(1, self.grpc_workers // 2)
+
+    @property
+    def process_protected(self) -> bool:
+        """Whether the daemon makes itself non-dumpable at start (docs/security.md)."""
+        return self.protect_process == "on" or (self.protect_process == "auto" and bool(self.credentials_file))
 
     @property
     def arena_by_fd(self) -> bool:

@@ -245,6 +245,14 @@ OPTIONS: list[Option] = [
         "client holds a put), 'auto' (fd when --credentials is set). Default auto.",
     ),
     Option(
+        "--protect-process",
+        "protect_process",
+        str,
+        "make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0), so other processes of its uid cannot "
+        "open /proc/PID/fd (the arena), /proc/PID/mem or ptrace it, and it leaves no core dump: "
+        "'on', 'off' or 'auto' (on with --credentials). Default auto.",
+    ),
+    Option(
         "--insecure",
         "insecure",
         parse_switch,

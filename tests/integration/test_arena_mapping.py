@@ -151,3 +151,82 @@ def test_a_post_commit_overwrite_by_another_process_is_never_served(
         assert a.stats()["checksum_failures"] >= 4
         assert a.put(hashes, blocks).stored == 4
         np.testing.assert_array_equal(a.get(hashes), blocks)
+
+
+PROC_PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    pid = sys.argv[1]
+    out = {"arena_opened": False, "mem_opened": False, "errors": []}
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if "kvpool-arena" in os.readlink(f"/proc/{pid}/fd/{name}"):
+                    os.close(os.open(f"/proc/{pid}/fd/{name}", os.O_RDWR))
+                    out["arena_opened"] = True
+            except OSError as exc:
+                out["errors"].append(type(exc).__name__)
+    except OSError as exc:
+        out["errors"].append(type(exc).__name__)
+    try:
+        open(f"/proc/{pid}/mem", "rb").close()
+        out["mem_opened"] = True
+    except OSError as exc:
+        out["errors"].append(type(exc).__name__)
+    print(json.dumps(out))
+    """
+)
+
+
+def as_unprivileged() -> list[str]:
+    """The argv prefix that runs a command as a plain user without capabilities: this test
+    suite runs as root here, and root's CAP_SYS_PTRACE passes every check being tested."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot run the daemon and the probe as a plain user")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def probe_proc(pid: int) -> dict[str, Any]:
+    """What another process of the daemon's uid gets from /proc/PID."""
+    import json
+
+    done = subprocess.run(
+        [*as_unprivileged(), sys.executable, "-c", PROC_PROBE, str(pid)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.parametrize("protect", ["auto", "off"])
+def test_a_daemon_with_credentials_keeps_same_uid_processes_out_of_its_proc_files(protect: str) -> None:
+    """With credentials the daemon is non-dumpable (``--protect-process auto``): a process of
+    its uid cannot open its arena through /proc/PID/fd nor read /proc/PID/mem. Left dumpable
+    (``off``) the same probe gets both: that is what the protection stops."""
+    import shutil
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix="kvpool-proc-", dir="/tmp")  # not under pytest's 0700 tmp root
+    os.chmod(workdir, 0o777)
+    creds = write_credentials(workdir)
+    os.chmod(creds, 0o644)
+    address = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--capacity-bytes", "16MiB"]
+    argv += ["--arena-dir", workdir, "--credentials", creds, "--protect-process", protect]
+    proc = subprocess.Popen([*as_unprivileged(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_port(address, timeout_s=30)
+        got = probe_proc(proc.pid)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert proc.returncode == 0, err.decode(errors="replace")
+    if protect == "off":
+        assert got["arena_opened"] and got["mem_opened"], got
+    else:
+        assert not got["arena_opened"] and not got["mem_opened"] and "PermissionError" in got["errors"], got
