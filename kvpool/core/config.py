@@ -166,6 +166,9 @@ class DaemonConfig:
     # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
     # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
     arena_handoff: str = "auto"
+    # file mode of the hand-off socket, octal: 0o600 admits only the daemon's uid; 0o666 lets
+    # clients of other uids connect (they still need a token to get the arena)
+    arena_socket_mode: int = 0o600
     # make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0): processes of its uid can then not
     # open /proc/PID/fd, /proc/PID/mem or ptrace it (no core dumps either); "auto" = on with credentials
     protect_process: str = "auto"
@@ -195,6 +198,8 @@ class DaemonConfig:
         )
         if min(tenant_limits) < 0:
             raise InvalidArgument("the --tenant-* limits must be >= 0")
+        if not 0 <= self.arena_socket_mode <= 0o777 or self.arena_socket_mode & 0o111:
+            raise InvalidArgument(f"arena_socket_mode {self.arena_socket_mode:o} is not a file mode like 600 or 660")
         if self.protect_process not in ("auto", "on", "off"):
             raise InvalidArgument(f"protect_process {self.protect_process!r} is not 'auto', 'on' or 'off'")
         if self.arena_handoff not in ("auto", "file", "fd"):

@@ -52,6 +52,16 @@ def parse_switch(text: str | bool) -> bool:
     raise InvalidArgument(f"{text!r} is not a yes/no value", hint="write true or false (1/0, yes/no, on/off)")
 
 
+def parse_octal(text: str | int) -> int:
+    """A file mode: '600', '0660', '0o666' (or an int from TOML)."""
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text.strip().removeprefix("0o"), 8)
+    except ValueError:
+        raise InvalidArgument(f"{text!r} is not an octal file mode like 600") from None
+
+
 def parse_bytes(text: str | int) -> int:
     """'2GiB' -> 2147483648, '512MB' -> 512000000, '4096' -> 4096."""
     if isinstance(text, int):
@@ -243,6 +253,13 @@ OPTIONS: list[Option] = [
         "how same-host clients get the arena: 'file' (a 0600 file in --arena-dir, opened by path), "
         "'fd' (an anonymous memfd handed over a Unix socket after the token, read-only unless the "
         "client holds a put), 'auto' (fd when --credentials is set). Default auto.",
+    ),
+    Option(
+        "--arena-socket-mode",
+        "arena_socket_mode",
+        parse_octal,
+        "file mode (octal) of the arena hand-off socket: 600 admits clients of the daemon's uid only; "
+        "660 or 666 admits other uids (each still needs a token). Default 600.",
     ),
     Option(
         "--protect-process",

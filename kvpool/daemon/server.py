@@ -67,7 +67,11 @@ class PoolServer:
         self.handoff: ArenaHandoff | None = None
         if config.arena_by_fd:
             self.handoff = ArenaHandoff(
-                self.node.arena, config.arena_dir, self.credentials, self.node.store.put_pending
+                self.node.arena,
+                config.arena_dir,
+                self.credentials,
+                self.node.store.put_pending,
+                socket_mode=config.arena_socket_mode,
             )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),

@@ -12,10 +12,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,8 +185,6 @@ PROC_PROBE = textwrap.dedent(
 def as_unprivileged() -> list[str]:
     """The argv prefix that runs a command as a plain user without capabilities: this test
     suite runs as root here, and root's CAP_SYS_PTRACE passes every check being tested."""
-    import shutil
-
     if os.geteuid() != 0:
         return []
     if shutil.which("setpriv") is None:
@@ -202,31 +204,88 @@ def probe_proc(pid: int) -> dict[str, Any]:
     return result
 
 
+@contextlib.contextmanager
+def open_workdir() -> Iterator[str]:
+    """A directory every uid can reach (not under pytest's 0700 tmp root) for the arena,
+    its socket and a readable credentials file."""
+    workdir = tempfile.mkdtemp(prefix="kvpool-uid-", dir="/tmp")
+    os.chmod(workdir, 0o777)
+    try:
+        yield workdir
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serve(workdir: str, *args: str, prefix: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``kvpool serve`` with credentials and its arena in ``workdir``, run under ``prefix``."""
+    creds = write_credentials(workdir)
+    os.chmod(creds, 0o644)
+    address = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--capacity-bytes", "16MiB"]
+    argv += ["--arena-dir", workdir, "--credentials", creds, *args]
+    proc = subprocess.Popen([*prefix, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_port(address, timeout_s=30)
+        yield proc, address
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err.decode(errors="replace")
+
+
 @pytest.mark.parametrize("protect", ["auto", "off"])
 def test_a_daemon_with_credentials_keeps_same_uid_processes_out_of_its_proc_files(protect: str) -> None:
     """With credentials the daemon is non-dumpable (``--protect-process auto``): a process of
     its uid cannot open its arena through /proc/PID/fd nor read /proc/PID/mem. Left dumpable
     (``off``) the same probe gets both: that is what the protection stops."""
-    import shutil
-    import tempfile
-
-    workdir = tempfile.mkdtemp(prefix="kvpool-proc-", dir="/tmp")  # not under pytest's 0700 tmp root
-    os.chmod(workdir, 0o777)
-    creds = write_credentials(workdir)
-    os.chmod(creds, 0o644)
-    address = f"127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--capacity-bytes", "16MiB"]
-    argv += ["--arena-dir", workdir, "--credentials", creds, "--protect-process", protect]
-    proc = subprocess.Popen([*as_unprivileged(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for_port(address, timeout_s=30)
+    with open_workdir() as workdir, serve(workdir, "--protect-process", protect, prefix=as_unprivileged()) as (proc, _):
         got = probe_proc(proc.pid)
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)
-    assert proc.returncode == 0, err.decode(errors="replace")
     if protect == "off":
         assert got["arena_opened"] and got["mem_opened"], got
     else:
         assert not got["arena_opened"] and not got["mem_opened"] and "PermissionError" in got["errors"], got
+
+
+READER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from kvpool import KVSpec, PoolClient
+    address, token, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    spec = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+    raw = np.random.default_rng(seed).integers(0, 2**16, size=(4, *spec.block_shape), dtype=np.uint16)
+    try:
+        with PoolClient.connect(address, spec, salt=b"salt-a", token=token) as a:
+            got = a.get(a.hashes(list(range(7000, 7000 + 64))))
+            print("read", len(got), got.tobytes() == raw.view(np.float16).tobytes())
+    except Exception as exc:
+        print("refused", type(exc).__name__)
+    """
+)
+
+
+def test_clients_of_another_uid_get_the_arena_through_a_wider_socket_mode_with_a_token() -> None:
+    """The recommended deployment: the daemon under its own uid, each tenant's engines under
+    theirs. ``--arena-socket-mode 666`` lets them connect; the token still decides."""
+    prefix = as_unprivileged()
+    if not prefix:
+        pytest.skip("needs root to run the reader as another uid")
+    with open_workdir() as workdir, serve(workdir, "--arena-socket-mode", "666") as (_, address):
+        with PoolClient.connect(address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
+            assert a.put(a.hashes(TOKENS), make_blocks(4, seed=25)).stored == 4
+            socket_path = a._arena.path if a._arena is not None else ""
+        assert oct(os.stat(socket_path).st_mode & 0o777) == "0o666"
+
+        def read(token: str) -> str:
+            done = subprocess.run(
+                [*prefix, sys.executable, "-c", READER, address, token, "25"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+
+        assert read(TOKEN_A) == "read 4 True"  # another uid, the tenant's token: its bytes, exactly
+        assert read("kvp_wrong").startswith("refused")
