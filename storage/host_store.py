@@ -134,6 +134,10 @@ class StoreStats:
     reclaimed_puts: int = 0
 
 
+#: keys a lookup walks per hold of the store lock
+LOOKUP_LOCK_KEYS = 512
+
+
 class HostStore:
     """Index, allocation, eviction and leases of one arena. Thread-safe (one lock)."""
 
@@ -173,16 +177,27 @@ class HostStore:
 
     # -- reads ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading keys present (longest cached prefix). Does not lease."""
+        """Number of leading keys present (longest cached prefix). Does not lease.
+
+        The walk takes the lock ``LOOKUP_LOCK_KEYS`` keys at a time, so another tenant's
+        short call gets in between the chunks of a long lookup instead of waiting for all
+        of it. A lookup is a hint (the lease that follows is what counts), so a block
+        removed or added between two chunks only changes the hint."""
         self._check_batch(keys)
         with self._lock:
             self.stats.lookups += 1
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
-            return n
+        n = 0
+        walk = iter(keys)  # lazily built keys: a lookup that misses at once builds one
+        more = True
+        while more:
+            more = False
+            with self._lock:
+                for i, key in enumerate(itertools.islice(walk, LOOKUP_LOCK_KEYS)):
+                    if key not in self._index:
+                        return n
+                    n += 1
+                    more = i == LOOKUP_LOCK_KEYS - 1
+        return n
 
     def lookup_by_tier(self, keys: Sequence[bytes]) -> dict[str, int]:
         """``lookup`` with the tier holding each block of the leading run: here, all "host"

@@ -161,3 +161,16 @@ def test_no_tenant_ever_holds_more_than_its_quota(puts: list[tuple[bytes, list[i
         tenant_held = len(q.held(A, range(13))) + len(q.held(A2, range(13)))
         assert q.store.tenant_bytes("t") == tenant_held * BLOCK <= 6 * BLOCK
         assert q.store.namespace_bytes(B) == len(q.held(B, range(13))) * BLOCK <= 3 * BLOCK
+
+
+@settings(max_examples=40, deadline=None)
+@given(run=st.integers(0, 1500), extra=st.sets(st.integers(0, 1500), max_size=50), asked=st.integers(0, 1500))
+def test_a_long_lookup_walked_in_chunks_counts_the_leading_run(run: int, extra: set[int], asked: int) -> None:
+    """``HostStore.lookup`` takes the lock ``LOOKUP_LOCK_KEYS`` keys at a time: the count is
+    still the leading run of present keys, across chunk boundaries."""
+    present = set(range(run)) | {i for i in extra if i != run}  # a leading run, then holes and islands
+    q = Quota(quota_blocks=0, slots=1600)
+    for start in range(0, 1501, 400):
+        q.put(A, [i for i in range(start, min(start + 400, 1501)) if i in present])
+    expected = next((i for i in range(asked) if i not in present), asked)
+    assert q.store.lookup([key(A, i) for i in range(asked)]) == expected
