@@ -25,12 +25,13 @@ from kvpool.client.pool_client import (
     attach_arena,
     hashes_request,
     hello_request,
+    is_tenant_busy,
     out_rows,
     put_result,
     put_rows,
     put_window,
 )
-from kvpool.core.errors import KVPoolError, TenantBusy, Unavailable, UnknownNamespace
+from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
@@ -97,9 +98,8 @@ class AsyncPoolClient:
             try:
                 return await method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc, self.address)
-            if not isinstance(err, TenantBusy) or attempt == BUSY_RETRIES:
-                raise err from None
+                if attempt == BUSY_RETRIES or not is_tenant_busy(exc, self.address):
+                    raise from_rpc_error(exc, self.address) from None
             await asyncio.sleep(BUSY_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")
 

@@ -63,6 +63,11 @@ class PutResult:
     checksum_failed: int  # written but rejected at commit (not stored)
 
 
+def is_tenant_busy(exc: grpc.RpcError, address: str) -> bool:
+    """Whether a failed call was refused TENANT_BUSY (nothing done; retry after a backoff)."""
+    return isinstance(from_rpc_error(exc, address), TenantBusy)
+
+
 def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
     return pool_pb2.HelloRequest(
         hash_scheme=HASH_SCHEME,
@@ -191,9 +196,10 @@ class PoolClient:
             try:
                 return method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc, self.address)
-            if not isinstance(err, TenantBusy) or attempt == BUSY_RETRIES:
-                raise err from None
+                # no local names the raised error: a frame <-> traceback cycle would keep this
+                # client (and its channel) alive after its owner dropped it
+                if attempt == BUSY_RETRIES or not is_tenant_busy(exc, self.address):
+                    raise from_rpc_error(exc, self.address) from None
             time.sleep(BUSY_BACKOFF_S * 2**attempt)  # the node did nothing: the same call is safe again
         raise AssertionError("unreachable")
 
