@@ -19,7 +19,10 @@ Guarantees (checked by tests/property/test_store_*):
 - soft pin TTLs are at most ``max_pin_ttl_ms``;
 - with ``namespace_quota_bytes``, no namespace holds more than that many bytes (committed
   and being written): a put past it evicts that namespace's own least recently used blocks
-  first, never another's, and fails whole (nothing evicted) if they cannot make room.
+  first, never another's, and fails whole (nothing evicted) if they cannot make room;
+- with tenant quotas (``set_tenant_quotas``: a tenant's ``quota_bytes`` in the credentials
+  file), the namespaces of such a tenant hold at most that many bytes together, the same
+  way: a put evicts only that tenant's blocks (``tests/unit/test_store_quota.py``).
 
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena.
@@ -31,7 +34,7 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -131,6 +134,10 @@ class StoreStats:
     reclaimed_puts: int = 0
 
 
+#: keys a lookup walks per hold of the store lock
+LOOKUP_LOCK_KEYS = 512
+
+
 class HostStore:
     """Index, allocation, eviction and leases of one arena. Thread-safe (one lock)."""
 
@@ -163,20 +170,34 @@ class HostStore:
         self._lock = threading.RLock()
         self._protected: set[bytes] = set()  # keys a put in progress reported present: not evictable
         self._ns_bytes: dict[bytes, int] = {}  # namespace -> bytes committed + being written
+        # tenant quotas: namespace -> (tenant, its quota); tenant -> bytes of all its namespaces
+        self._tenant_of: dict[bytes, tuple[str, int]] = {}
+        self._tenant_bytes: dict[str, int] = {}
         self.stats = StoreStats()
 
     # -- reads ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading keys present (longest cached prefix). Does not lease."""
+        """Number of leading keys present (longest cached prefix). Does not lease.
+
+        The walk takes the lock ``LOOKUP_LOCK_KEYS`` keys at a time, so another tenant's
+        short call gets in between the chunks of a long lookup instead of waiting for all
+        of it. A lookup is a hint (the lease that follows is what counts), so a block
+        removed or added between two chunks only changes the hint."""
         self._check_batch(keys)
         with self._lock:
             self.stats.lookups += 1
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
-            return n
+        n = 0
+        walk = iter(keys)  # lazily built keys: a lookup that misses at once builds one
+        more = True
+        while more:
+            more = False
+            with self._lock:
+                for i, key in enumerate(itertools.islice(walk, LOOKUP_LOCK_KEYS)):
+                    if key not in self._index:
+                        return n
+                    n += 1
+                    more = i == LOOKUP_LOCK_KEYS - 1
+        return n
 
     def lookup_by_tier(self, keys: Sequence[bytes]) -> dict[str, int]:
         """``lookup`` with the tier holding each block of the leading run: here, all "host"
@@ -307,7 +328,7 @@ class HostStore:
             self._protected = {keys[i] for i in present}
             try:
                 need = len(wanted) * block_bytes
-                if self.config.namespace_quota_bytes:
+                if self.config.namespace_quota_bytes or namespace in self._tenant_of:
                     self._make_quota_room(namespace, need)
                 offsets = self._allocate(len(wanted), block_bytes, now)
             finally:
@@ -371,6 +392,17 @@ class HostStore:
             offset = pending.slots[slot][2]
             self._buffer[offset : offset + pending.block_bytes] = data.reshape(-1).view(np.uint8)
             return True
+
+    def owner_of(self, capability_id: int) -> bytes | None:
+        """The namespace of a live lease or pending put (the daemon counts a Release,
+        PutCommit or PutAbort, which name no namespace, against it for per-tenant
+        fairness), or None when the id is neither."""
+        with self._lock:
+            pending = self._pending.get(capability_id)
+            if pending is not None:
+                return pending.namespace
+            lease = self._leases.get(capability_id)
+            return lease.entries[0].namespace if lease is not None and lease.entries else None
 
     def put_pending(self, put_id: int) -> bool:
         """Whether ``put_id`` is a put started and not yet committed, aborted or reclaimed
@@ -464,6 +496,21 @@ class HostStore:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    def set_tenant_quotas(self, quotas: dict[bytes, tuple[str, int]]) -> None:
+        """Give tenants their own quotas: ``quotas`` maps each namespace of a tenant that has
+        one to (tenant name, quota bytes); the namespace's bytes then count against the
+        tenant's quota, together with its other namespaces', instead of
+        ``namespace_quota_bytes``. Set once at start, before any put."""
+        with self._lock:
+            if self._index or self._pending:
+                raise InvalidArgument("tenant quotas are set before the store holds anything")
+            self._tenant_of = dict(quotas)
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes the namespaces of ``tenant`` (one with its own quota) hold here together."""
+        with self._lock:
+            return self._tenant_bytes.get(tenant, 0)
+
     def namespace_bytes(self, namespace: bytes) -> int:
         """Bytes ``namespace`` holds here (committed and being written): what its quota counts."""
         with self._lock:
@@ -513,14 +560,14 @@ class HostStore:
             return False
         return entry.soft_pin_until_ms <= self._clock.now_ms()
 
-    def _evict_one(self, namespace: bytes | None = None) -> bool:
-        """Evict the policy's next victim (only among ``namespace``'s blocks, if given)."""
+    def _evict_one(self, within: Callable[[bytes], bool] | None = None) -> bool:
+        """Evict the policy's next victim (only among blocks whose namespace is ``within``, if given)."""
         evictable = self._evictable
-        if namespace is not None:
+        if within is not None:
             index = self._index
 
             def evictable(key: bytes) -> bool:
-                return index[key].namespace == namespace and self._evictable(key)
+                return within(index[key].namespace) and self._evictable(key)
 
         key = self._policy.pop_victim(evictable)
         if key is None:
@@ -588,30 +635,49 @@ class HostStore:
             )
 
     def _count(self, namespace: bytes, delta: int) -> None:
-        left = self._ns_bytes.get(namespace, 0) + delta
-        if left > 0:
-            self._ns_bytes[namespace] = left
-        else:
-            self._ns_bytes.pop(namespace, None)  # bounded: only namespaces holding bytes
+        _bump(self._ns_bytes, namespace, delta)  # bounded: only namespaces holding bytes
+        tenant = self._tenant_of.get(namespace)
+        if tenant is not None:
+            _bump(self._tenant_bytes, tenant[0], delta)
 
     def _make_quota_room(self, namespace: bytes, need: int) -> None:
-        """Evict ``namespace``'s own blocks until ``need`` more bytes fit its quota; raise
-        CapacityExhausted before evicting anything if they cannot (a scan of the index,
-        only on this path)."""
-        quota = self.config.namespace_quota_bytes
-        over = self._ns_bytes.get(namespace, 0) + need - quota
-        if over <= 0:
+        """Evict blocks of ``namespace``, or of every namespace of its tenant where the tenant
+        has its own quota, until ``need`` more bytes fit that quota; raise CapacityExhausted
+        before evicting anything if they cannot (a scan of the index, only on this path)."""
+        tenant = self._tenant_of.get(namespace)
+        if tenant is not None:
+            name, quota = tenant
+            used, whose = self._tenant_bytes.get(name, 0), f"tenant {name!r}"
+            tenant_of = self._tenant_of
+
+            def member(ns: bytes) -> bool:
+                owner = tenant_of.get(ns)
+                return owner is not None and owner[0] == name
+        else:
+            quota, used = self.config.namespace_quota_bytes, self._ns_bytes.get(namespace, 0)
+            whose = f"namespace {namespace.hex()[:32]}"
+
+            def member(ns: bytes) -> bool:
+                return ns == namespace
+
+        over = used + need - quota
+        if quota == 0 or over <= 0:
             return
-        evictable = sum(e.size for k, e in self._index.items() if e.namespace == namespace and self._evictable(k))
+        evictable = sum(e.size for k, e in self._index.items() if member(e.namespace) and self._evictable(k))
         if need > quota or evictable < over:
             raise CapacityExhausted(
-                f"namespace {namespace.hex()[:32]} holds {self._ns_bytes.get(namespace, 0)} bytes; {need} more would "
-                f"pass its quota of {quota} bytes and only {evictable} of its bytes can be evicted "
-                "(the rest is leased, pinned or being written); nothing was evicted",
-                hint="release leases and pins, put fewer blocks at once, or raise --namespace-quota-bytes",
+                f"{whose} holds {used} bytes; {need} more would pass its quota of {quota} bytes and only "
+                f"{evictable} of its bytes can be evicted (the rest is leased, pinned or being written); "
+                "nothing was evicted",
+                hint="release leases and pins, put fewer blocks at once, or raise the quota "
+                "(--namespace-quota-bytes, or the tenant's quota_bytes in the credentials file)",
             )
-        while self._ns_bytes.get(namespace, 0) + need > quota and self._evict_one(namespace):
+        while self._quota_used(namespace) + need > quota and self._evict_one(member):
             pass
+
+    def _quota_used(self, namespace: bytes) -> int:
+        tenant = self._tenant_of.get(namespace)
+        return self._tenant_bytes.get(tenant[0], 0) if tenant is not None else self._ns_bytes.get(namespace, 0)
 
     def _unindex(self, entry: Entry) -> None:
         self._count(entry.namespace, -entry.size)
@@ -644,3 +710,13 @@ class HostStore:
     def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
         if self._on_event is not None:
             self._on_event(kind, keys, namespace)
+
+
+def _bump(counts: dict[Any, int], key: Any, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping the key at 0 (the table stays bounded by
+    what holds bytes)."""
+    left = counts.get(key, 0) + delta
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -230,6 +230,17 @@ class TieredStore:
     def release_many(self, lease_ids: Sequence[int]) -> int:
         return self.host.release_many(lease_ids)
 
+    def owner_of(self, capability_id: int) -> bytes | None:
+        return self.host.owner_of(capability_id)
+
+    def set_tenant_quotas(self, quotas: dict[bytes, tuple[str, int]]) -> None:
+        """Tenant quotas count the host tier (``HostStore.set_tenant_quotas``); blocks
+        evicted to make room are demoted like any eviction, and lower tiers are shared."""
+        self.host.set_tenant_quotas(quotas)
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self.host.tenant_bytes(tenant)
+
     # -- writes --------------------------------------------------------------------------
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve host slots for keys no tier holds; keys only a lower tier holds are

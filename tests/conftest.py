@@ -208,3 +208,20 @@ def daemon_factory() -> Iterator[object]:
     finally:
         for handle in reversed(started):
             handle.cleanup()
+
+
+def writable_arena(client: object) -> object:
+    """A writable numpy view of a same-host client's arena, made the way any process of the
+    daemon's uid can (reopening the client's descriptor through /proc read-write): for tests
+    that damage bytes after commit, since a client's own mapping is read-only (docs/security.md)."""
+    import mmap
+
+    import numpy as np
+
+    arena = client._arena  # type: ignore[attr-defined]
+    fd = os.open(f"/proc/self/fd/{arena.fd}", os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, arena.capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapping, dtype=np.uint8)

@@ -7,6 +7,7 @@ in well under a millisecond, less than the cost of handing it to a thread).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -16,16 +17,19 @@ import numpy as np
 
 from kvpool.client.blocks import read_rows, write_rows
 from kvpool.client.pool_client import (
+    BUSY_BACKOFF_S,
+    BUSY_RETRIES,
     DEFAULT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     PutResult,
     attach_arena,
     hashes_request,
     hello_request,
+    is_tenant_busy,
     out_rows,
     put_result,
     put_rows,
-    writable_arena,
+    put_window,
 )
 from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
@@ -98,10 +102,14 @@ class AsyncPoolClient:
         await self.close()
 
     async def _rpc(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
-        try:
-            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        for attempt in range(BUSY_RETRIES + 1):  # TENANT_BUSY: as PoolClient._rpc
+            try:
+                return await method(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if attempt == BUSY_RETRIES or not is_tenant_busy(exc, self.address):
+                    raise from_rpc_error(exc, self.address) from None
+            await asyncio.sleep(BUSY_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
 
     async def _hello(self) -> None:
         reply = await self._rpc(self._stub.Hello, hello_request(self.namespace))
@@ -149,11 +157,10 @@ class AsyncPoolClient:
         try:
             self.arena  # noqa: B018 -- Unavailable if not connected
             assert self._arena is not None
-            if not self._arena.writable:  # a handed-out arena: the writable one, for this put's holder
-                writable = writable_arena(self._arena, int(start.put_id), self._token)
-                self._arena.close()  # no view of it is held across an await
-                self._arena = writable
-            checksums = write_rows(self.arena, rows, start.indices, start.offsets)
+            with put_window(
+                self._arena, int(start.put_id), start.offsets, self.spec.block_bytes, self._token
+            ) as window:
+                checksums = write_rows(window, rows, start.indices, start.offsets)
         except BaseException:
             await self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise

@@ -18,6 +18,7 @@ import numpy as np
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.spec import KVSpec
+from kvpool.storage.arena import PutWindow
 
 log = logging.getLogger("kvpool.client")
 
@@ -77,8 +78,11 @@ def block_rows(blocks: Any, spec: KVSpec, what: str, writable: bool = False) -> 
     return arr.reshape(shape[0], spec.block_bytes)
 
 
-def write_rows(arena: np.ndarray, rows: np.ndarray, indices: Sequence[int], offsets: Sequence[int]) -> list[int]:
-    """Copy rows[indices[i]] into the arena at offsets[i]; return the source checksums."""
+def write_rows(
+    arena: np.ndarray | PutWindow, rows: np.ndarray, indices: Sequence[int], offsets: Sequence[int]
+) -> list[int]:
+    """Copy rows[indices[i]] into the arena at offsets[i] (a client writes through its put's
+    window, ``SharedArena.put_window``); return the source checksums."""
     block_bytes = rows.shape[1]
     checksums: list[int] = []
     for index, offset in zip(indices, offsets, strict=True):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,7 +31,7 @@ import numpy as np
 
 from kvpool.client.admin import PoolAdmin
 from kvpool.client.blocks import block_rows, read_rows, write_rows
-from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable, UnknownNamespace
+from kvpool.core.errors import InvalidArgument, KVPoolError, TenantBusy, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes
 from kvpool.core.spec import KVSpec, Namespace
@@ -38,7 +39,7 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
-from kvpool.storage.arena import SharedArena
+from kvpool.storage.arena import PutWindow, SharedArena
 from kvpool.transport.arena_handoff import receive_arena_fd
 
 log = logging.getLogger("kvpool.client")
@@ -48,6 +49,10 @@ T = TypeVar("T")
 MAX_PENDING_RELEASES = 256
 DEFAULT_TIMEOUT_S = 10.0
 MAX_MESSAGE_BYTES = 64 << 20
+#: a call refused TENANT_BUSY (this tenant's share of the node is in flight; nothing was
+#: done) is sent again this many times, after 10, 20, 40 ms
+BUSY_RETRIES = 3
+BUSY_BACKOFF_S = 0.010
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class PutResult:
     checksum_failed: int  # written but rejected at commit (not stored)
 
 
+def is_tenant_busy(exc: grpc.RpcError, address: str) -> bool:
+    """Whether a failed call was refused TENANT_BUSY (nothing done; retry after a backoff)."""
+    return isinstance(from_rpc_error(exc, address), TenantBusy)
+
+
 def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
     return pool_pb2.HelloRequest(
         hash_scheme=HASH_SCHEME,
@@ -74,10 +84,10 @@ def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
 
 
 def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: KVSpec, token: str = "") -> SharedArena:
-    """Check a Hello reply against the spec and map the node's arena (again only if it moved:
-    a restarted daemon has a new arena file or socket). Shared by the sync and async clients.
-    A node that hands its arena out (``arena_socket``) gives this client a read-only
-    descriptor for its token; ``writable_arena`` gets the writable one for a put."""
+    """Check a Hello reply against the spec and map the node's arena read-only (again only
+    if it moved: a restarted daemon has a new arena file or socket). Shared by the sync and
+    async clients. A node that hands its arena out (``arena_socket``) gives this client a
+    read-only descriptor for its token; ``put_window`` gets the writable one for a put."""
     if reply.block_bytes != spec.block_bytes:
         raise InvalidArgument(f"daemon reports {reply.block_bytes}-byte blocks, spec says {spec.block_bytes}")
     source = reply.arena_socket or reply.arena_path
@@ -87,17 +97,18 @@ def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: 
         current.close()
     if reply.arena_socket:
         fd = receive_arena_fd(reply.arena_socket, "r", 0, token)
-        return SharedArena.from_fd(fd, reply.arena_bytes, writable=False, name=reply.arena_socket)
+        return SharedArena.from_fd(fd, reply.arena_bytes, name=reply.arena_socket)
     return SharedArena.attach(reply.arena_path, reply.arena_bytes)
 
 
-def writable_arena(current: SharedArena, put_id: int, token: str) -> SharedArena:
-    """The read-write mapping of a handed-out arena, for the holder of ``put_id`` (a node
-    that serves its arena by path maps it read-write already: ``current`` is returned)."""
-    if current.writable:
-        return current
-    fd = receive_arena_fd(current.path, "w", put_id, token)
-    return SharedArena.from_fd(fd, current.capacity_bytes, writable=True, name=current.path)
+def put_window(arena: SharedArena, put_id: int, offsets: Sequence[int], block_bytes: int, token: str) -> PutWindow:
+    """Writable mappings of only the slots of put ``put_id`` (``SharedArena.put_window``), to
+    be closed when its bytes are in. A handed-out arena's write descriptor is asked for
+    once, naming the put (the node hands it only to a put's holder), and kept for later
+    puts' windows; nothing outside a window is ever mapped writable in the client."""
+    if not arena.can_write:
+        arena.adopt_write_fd(receive_arena_fd(arena.path, "w", put_id, token))
+    return arena.put_window(offsets, block_bytes)
 
 
 def hashes_request(
@@ -155,8 +166,7 @@ class PoolClient:
         self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest, token=token)
-        self._arena: SharedArena | None = None
-        self._rw_arena: SharedArena | None = None  # the writable mapping of a handed-out arena
+        self._arena: SharedArena | None = None  # mapped read-only; puts write through windows
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
         self.node_id = ""
@@ -191,18 +201,20 @@ class PoolClient:
 
     # -- plumbing ------------------------------------------------------------------------
     def _rpc(self, method: Callable[..., T], request: Any) -> T:
-        try:
-            return method(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+        for attempt in range(BUSY_RETRIES + 1):
+            try:
+                return method(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                # no local names the raised error: a frame <-> traceback cycle would keep this
+                # client (and its channel) alive after its owner dropped it
+                if attempt == BUSY_RETRIES or not is_tenant_busy(exc, self.address):
+                    raise from_rpc_error(exc, self.address) from None
+            time.sleep(BUSY_BACKOFF_S * 2**attempt)  # the node did nothing: the same call is safe again
+        raise AssertionError("unreachable")
 
     def _hello(self) -> None:
         reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
-        arena = attach_arena(self._arena, reply, self.spec, self._token)
-        if arena is not self._arena and self._rw_arena is not None:
-            self._rw_arena.close()  # the daemon restarted: its old arena is gone
-            self._rw_arena = None
-        self._arena = arena
+        self._arena = attach_arena(self._arena, reply, self.spec, self._token)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 
@@ -234,17 +246,11 @@ class PoolClient:
             raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
         return self._arena.view
 
-    def _writable(self, put_id: int) -> np.ndarray:
-        """The arena as a writable array, asking the node for it once (holding ``put_id``)."""
-        arena = self.arena  # Unavailable if not connected
-        current = self._arena
-        assert current is not None
-        if current.writable:
-            return arena
-        with self._lock:
-            if self._rw_arena is None:
-                self._rw_arena = writable_arena(current, put_id, self._token)
-            return self._rw_arena.view
+    def _put_window(self, put_id: int, offsets: Sequence[int]) -> PutWindow:
+        self.arena  # noqa: B018 -- Unavailable if not connected
+        assert self._arena is not None
+        with self._lock:  # one hand-off for the write descriptor, however many threads put
+            return put_window(self._arena, put_id, offsets, self.spec.block_bytes, self._token)
 
     # -- API -----------------------------------------------------------------------------
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
@@ -267,7 +273,8 @@ class PoolClient:
         if start.put_id == 0:
             return put_result(start, None)
         try:
-            checksums = write_rows(self._writable(start.put_id), rows, start.indices, start.offsets)
+            with self._put_window(start.put_id, start.offsets) as window:
+                checksums = write_rows(window, rows, start.indices, start.offsets)
         except BaseException:
             self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise
@@ -367,9 +374,6 @@ class PoolClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-        if self._rw_arena is not None:
-            self._rw_arena.close()
-            self._rw_arena = None
         self._channel.close()
 
     def _release_later(self, lease_id: int) -> None:

@@ -8,6 +8,7 @@ leak a token:
     name = "tenant-a"
     token_sha256 = "<64 hex>"
     namespaces = ["<32 hex: a namespace digest>", ...]
+    quota_bytes = 8589934592    # optional: host-tier bytes of all its namespaces together
 
     [[admins]]
     name = "ops"
@@ -51,6 +52,8 @@ MAX_NAMESPACES_PER_TENANT = 4096
 MAX_NAME_BYTES = 128
 #: longest bearer token a caller may present, in bytes (longer ones are refused unhashed)
 MAX_TOKEN_BYTES = 512
+#: largest quota_bytes a tenant may be given (1 EiB: a sanity bound on an integer from a file)
+MAX_QUOTA_BYTES = 1 << 60
 #: shortest token ``new_token`` makes, in random bytes
 TOKEN_RANDOM_BYTES = 32
 
@@ -94,6 +97,7 @@ class Principal:
     admin: bool
     namespaces: frozenset[bytes] | None
     cluster: bool = False  # a node of the cluster (presented the cluster token)
+    quota_bytes: int = 0  # a tenant's own quota over all its namespaces; 0 = the daemon's per-namespace one
 
     def may_use(self, namespace: bytes) -> bool:
         return self.namespaces is None or namespace in self.namespaces
@@ -130,6 +134,16 @@ class Credentials:
         if self.cluster_digest and hmac.compare_digest(presented, self.cluster_digest):
             found = Principal("cluster", admin=False, namespaces=None, cluster=True)
         return found
+
+    def tenant_quotas(self) -> dict[bytes, tuple[str, int]]:
+        """namespace -> (tenant, quota bytes) for every namespace of a tenant with its own
+        ``quota_bytes`` (the store counts those namespaces together against it)."""
+        return {
+            ns: (e.principal.name, e.principal.quota_bytes)
+            for e in self.entries
+            if e.principal.quota_bytes and e.principal.namespaces
+            for ns in e.principal.namespaces
+        }
 
     def cluster_token_ok(self, token: bytes) -> bool:
         """Whether ``token`` is the cluster token."""
@@ -190,6 +204,7 @@ def parse_credentials(text: bytes, toml: bool = False) -> Credentials:
         raise InvalidArgument(f"{len(tenants) + len(admins)} principals; the limit is {MAX_PRINCIPALS}")
     entries: list[_Entry] = []
     seen: set[bytes] = set()
+    quota_owned: dict[bytes, str] = {}  # namespace -> the tenant with a quota that lists it
     for kind, items in (("tenants", tenants), ("admins", admins)):
         for i, item in enumerate(items):
             where = f"{kind}[{i}]"
@@ -211,7 +226,18 @@ def parse_credentials(text: bytes, toml: bool = False) -> Credentials:
             namespaces = frozenset(
                 _hex_digest(ns, f"{where}.namespaces[{j}]", 2 * NAMESPACE_BYTES) for j, ns in enumerate(listed)
             )
-            entries.append(_Entry(digest, Principal(name, admin=False, namespaces=namespaces)))
+            quota = item.get("quota_bytes", 0)
+            if not isinstance(quota, int) or isinstance(quota, bool) or not 0 <= quota <= MAX_QUOTA_BYTES:
+                raise InvalidArgument(f"{where}.quota_bytes must be a whole number of bytes, 0 to {MAX_QUOTA_BYTES}")
+            if quota:
+                for ns in namespaces & quota_owned.keys():
+                    raise InvalidArgument(
+                        f"{where}: namespace {ns.hex()} is also listed by {quota_owned[ns]!r}, and both have "
+                        "quota_bytes: a namespace's bytes can count against one tenant's quota only",
+                        hint="list it under one of them, or drop one quota",
+                    )
+                quota_owned.update(dict.fromkeys(namespaces, name))
+            entries.append(_Entry(digest, Principal(name, admin=False, namespaces=namespaces, quota_bytes=quota)))
     cluster = table.get("cluster", {})
     if not isinstance(cluster, dict) or set(cluster) - {"token_sha256"}:
         raise InvalidArgument("'cluster' must be a table with one key, token_sha256")

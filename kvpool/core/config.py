@@ -173,6 +173,19 @@ class DaemonConfig:
     arena_handoff: str = "auto"
     # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md). Not loopback needs ``insecure``.
     metrics_listen: str = ""
+    # file mode of the hand-off socket, octal: 0o600 admits only the daemon's uid; 0o666 lets
+    # clients of other uids connect (they still need a token to get the arena)
+    arena_socket_mode: int = 0o600
+    # make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0): processes of its uid can then not
+    # open /proc/PID/fd, /proc/PID/mem or ptrace it (no core dumps either); "auto" = on with credentials
+    protect_process: str = "auto"
+    # per-tenant fairness (kvpool/daemon/fairness.py): cost units one tenant may have in flight
+    # (0 = off), worker threads one tenant may hold (0 = half of grpc_workers), and how long a
+    # call over its tenant's budget waits for room before it is refused TENANT_BUSY
+    tenant_budget_units: int = 64
+    tenant_rate_units_per_s: int = 1000  # cost units one tenant may spend per second (0 = no rate)
+    tenant_max_calls: int = 0
+    tenant_wait_ms: int = 200
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -184,6 +197,18 @@ class DaemonConfig:
             raise InvalidArgument(f"admin_views {self.admin_views!r} is not 'loopback', 'on' or 'off'")
         if self.max_namespaces <= 0 or self.namespace_idle_ms <= 0:
             raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
+        tenant_limits = (
+            self.tenant_budget_units,
+            self.tenant_rate_units_per_s,
+            self.tenant_max_calls,
+            self.tenant_wait_ms,
+        )
+        if min(tenant_limits) < 0:
+            raise InvalidArgument("the --tenant-* limits must be >= 0")
+        if not 0 <= self.arena_socket_mode <= 0o777 or self.arena_socket_mode & 0o111:
+            raise InvalidArgument(f"arena_socket_mode {self.arena_socket_mode:o} is not a file mode like 600 or 660")
+        if self.protect_process not in ("auto", "on", "off"):
+            raise InvalidArgument(f"protect_process {self.protect_process!r} is not 'auto', 'on' or 'off'")
         if self.arena_handoff not in ("auto", "file", "fd"):
             raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
         if self.metrics_listen:
@@ -217,6 +242,16 @@ class DaemonConfig:
                 hint="configure credentials and TLS (docs/security.md), keep the daemon on 127.0.0.1, "
                 "or pass --insecure on a network you trust",
             )
+
+    @property
+    def tenant_calls(self) -> int:
+        """Worker threads one tenant may hold at once (``tenant_max_calls``, default half)."""
+        return self.tenant_max_calls or max(1, self.grpc_workers // 2)
+
+    @property
+    def process_protected(self) -> bool:
+        """Whether the daemon makes itself non-dumpable at start (docs/security.md)."""
+        return self.protect_process == "on" or (self.protect_process == "auto" and bool(self.credentials_file))
 
     @property
     def arena_by_fd(self) -> bool:

@@ -28,6 +28,7 @@ class ErrorCode(enum.Enum):
     UNSUPPORTED_MODEL = ("UNSUPPORTED_MODEL", 12)  # UNIMPLEMENTED: the pool cannot hold this model's KV exactly
     PERMISSION_DENIED = ("PERMISSION_DENIED", 7)  # a namespace / admin call this credential does not allow
     UNAUTHENTICATED = ("UNAUTHENTICATED", 16)  # no credential, or one the daemon does not know
+    TENANT_BUSY = ("TENANT_BUSY", 8)  # RESOURCE_EXHAUSTED: this tenant has its share in flight; retry shortly
     STORAGE_FAULT = ("STORAGE_FAULT", 13)  # INTERNAL: disk full, unwritable dir, corrupt index
     INTERNAL = ("INTERNAL", 13)
 
@@ -163,6 +164,14 @@ class Unauthenticated(KVPoolError):
     code = ErrorCode.UNAUTHENTICATED
 
 
+class TenantBusy(KVPoolError):
+    """The caller's tenant already has its share of the daemon in flight (per-tenant
+    fairness, docs/security.md): nothing was done; retry after a short backoff, or send
+    smaller batches."""
+
+    code = ErrorCode.TENANT_BUSY
+
+
 class StorageFault(KVPoolError):
     """A tier's storage failed (I/O error, disk full); the tier reports it and the node keeps serving from the
     others.
@@ -194,6 +203,7 @@ _BY_CODE: dict[ErrorCode, type[KVPoolError]] = {
         NotLeader,
         PermissionDenied,
         Unauthenticated,
+        TenantBusy,
         StorageFault,
         InternalError,
     )

@@ -42,8 +42,13 @@ class ArenaHandoff:
         directory: str,
         credentials: Credentials | None,
         put_pending: Callable[[int], bool],
+        socket_mode: int = 0o600,
     ) -> None:
+        """``socket_mode``: the socket file's mode (``--arena-socket-mode``); 0o600 admits the
+        daemon's uid only, a wider one lets clients of other uids connect (each still needs
+        a token the credentials know)."""
         self._arena = arena
+        self._socket_mode = socket_mode
         self._credentials = credentials
         self._put_pending = put_pending
         self.path = str(pathlib.Path(directory) / f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
@@ -71,6 +76,8 @@ class ArenaHandoff:
             sock.bind(self.path)
         finally:
             os.umask(old_umask)
+        if self._socket_mode != 0o600:
+            os.chmod(self.path, self._socket_mode)
         sock.listen(64)
         self._sock = sock
         supervisor.spawn("arena-handoff", self._accept_loop)

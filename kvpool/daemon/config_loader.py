@@ -56,6 +56,16 @@ def parse_switch(text: str | bool) -> bool:
     raise InvalidArgument(f"{text!r} is not a yes/no value", hint="write true or false (1/0, yes/no, on/off)")
 
 
+def parse_octal(text: str | int) -> int:
+    """A file mode: '600', '0660', '0o666' (or an int from TOML)."""
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text.strip().removeprefix("0o"), 8)
+    except ValueError:
+        raise InvalidArgument(f"{text!r} is not an octal file mode like 600") from None
+
+
 def parse_bytes(text: str | int) -> int:
     """'2GiB' -> 2147483648, '512MB' -> 512000000, '4096' -> 4096."""
     if isinstance(text, int):
@@ -286,12 +296,55 @@ OPTIONS: list[Option] = [
         "client holds a put), 'auto' (fd when --credentials is set).",
     ),
     Option(
+        "--arena-socket-mode",
+        "arena_socket_mode",
+        parse_octal,
+        "file mode (octal) of the arena hand-off socket: 600 admits clients of the daemon's uid only; "
+        "660 or 666 admits other uids (each still needs a token).",
+    ),
+    Option(
+        "--protect-process",
+        "protect_process",
+        str,
+        "make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0), so other processes of its uid cannot "
+        "open /proc/PID/fd (the arena), /proc/PID/mem or ptrace it, and it leaves no core dump: "
+        "'on', 'off' or 'auto' (on with --credentials).",
+    ),
+    Option(
         "--insecure",
         "insecure",
         parse_switch,
         "allow a non-loopback --listen / --data-listen without credentials and TLS (a trusted, "
         "firewalled network only).",
         default_means="off",
+    ),
+    Option(
+        "--tenant-budget-units",
+        "tenant_budget_units",
+        int,
+        "per-tenant fairness: cost units one tenant may have in flight (a call costs 1 + its hashes, "
+        "lease ids or checksums / 1024); a call over it waits --tenant-wait-ms, then TENANT_BUSY. "
+        "0 = off. See docs/security.md.",
+    ),
+    Option(
+        "--tenant-rate-units-per-s",
+        "tenant_rate_units_per_s",
+        int,
+        "per-tenant fairness: cost units one tenant may spend per second (bursts of one budget pass at once); "
+        "a call past it waits up to --tenant-wait-ms for tokens, then TENANT_BUSY. 0 = no rate.",
+    ),
+    Option(
+        "--tenant-max-calls",
+        "tenant_max_calls",
+        int,
+        "worker threads one tenant may hold at once (calls in flight and waiting).",
+        default_means="half of --grpc-workers",
+    ),
+    Option(
+        "--tenant-wait-ms",
+        "tenant_wait_ms",
+        int,
+        "how long a call over its tenant's budget or rate waits for room before TENANT_BUSY.",
     ),
     Option(
         "--max-namespaces",
@@ -403,6 +456,8 @@ def default_help(opt: Option) -> str:
         shown = "on" if value else "off"
     elif opt.parse is parse_bytes:
         shown = format_bytes(int(value))
+    elif opt.parse is parse_octal:
+        shown = f"{int(value):o}"
     elif value == "":
         shown = "empty"
     else:

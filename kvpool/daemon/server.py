@@ -9,6 +9,7 @@ background task exits non-zero.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from concurrent import futures
@@ -35,19 +36,44 @@ log = logging.getLogger("kvpool.server")
 SHUTDOWN_GRACE_S = 5.0
 
 
+PR_SET_DUMPABLE = 4  # <linux/prctl.h>
+
+
+def make_non_dumpable() -> None:
+    """``prctl(PR_SET_DUMPABLE, 0)``: the kernel then refuses other processes of this uid
+    (without CAP_SYS_PTRACE) ``/proc/PID/fd``, ``/proc/PID/mem``, ``/proc/PID/environ`` and
+    ptrace attach, whatever ``kernel.yama.ptrace_scope`` says, and writes no core dump. The
+    daemon itself still opens ``/proc/self/fd`` (the arena's read-only descriptor). Where
+    prctl is not there (not Linux) the daemon starts anyway and says so."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot make the daemon non-dumpable (%s): same-uid processes can read its memory", exc)
+
+
 class PoolServer:
     """A running daemon; ``start`` then ``wait`` (or ``stop``)."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        if config.process_protected:
+            make_non_dumpable()  # before the tokens' hashes and the arena are in memory
         self.supervisor = Supervisor()
         self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
         self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.node = PoolNode(config, MonotonicClock())
+        if self.credentials is not None and self.credentials.tenant_quotas():
+            self.node.store.set_tenant_quotas(self.credentials.tenant_quotas())  # before any put
         self.handoff: ArenaHandoff | None = None
         if config.arena_by_fd:
             self.handoff = ArenaHandoff(
-                self.node.arena, config.arena_dir, self.credentials, self.node.store.put_pending
+                self.node.arena,
+                config.arena_dir,
+                self.credentials,
+                self.node.store.put_pending,
+                socket_mode=config.arena_socket_mode,
             )
         # /metrics reads the node's own counters at scrape time (docs/metrics.md)
         self.metrics = ServiceMetrics(NodeCollector(self.node), "pool")

@@ -21,15 +21,22 @@ otherwise, in Hello and in every call that names a namespace), and the admin vie
 an admin credential. Lease and put ids are random 63-bit capabilities, so Release,
 PutCommit and PutAbort need only an authenticated caller. Without credentials (the
 loopback default) every caller is ``ANONYMOUS``, as before.
+
+Fairness: every unary call but the stream runs inside ``TenantGate.admit`` (``gated``),
+which bounds the cost units and the worker threads one tenant has in flight
+(``kvpool/daemon/fairness.py``); a call past its tenant's share is ``TenantBusy`` having
+done nothing. The tenant is the credential's tenant name, or without credentials the
+request's namespace (the connection, for calls that name none).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,6 +45,7 @@ from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, 
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
 from kvpool.core.keys import BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
+from kvpool.daemon.fairness import TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import principal_of
@@ -57,6 +65,43 @@ MAX_VERSION_STRING_BYTES = 64
 MAX_CORRUPT_REPORT_BLOCKS = 16
 #: fixed room in a request besides its hashes / ids / checksums (namespace, flags, framing)
 REQUEST_OVERHEAD_BYTES = 64 << 10
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Snapshot lists every key of the node: it runs alone among its tenant's calls
+WHOLE_BUDGET = 1 << 30
+
+
+#: a lease id released costs this many hashes looked up (a dict pop and a lease's blocks
+#: unpinned, against one 16-byte slice for a hash a lookup may never reach)
+RELEASE_ID_WEIGHT = 8
+
+
+def _hashes_cost(request: Any) -> int:
+    return request_cost(len(request.hashes) // 16 + RELEASE_ID_WEIGHT * len(getattr(request, "release_lease_ids", ())))
+
+
+def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
+    """Run a handler as one of its caller's tenant's calls of ``cost(request)`` units
+    (``TenantGate``); the caller is identified once here and reused by ``_caller``."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def inner(self: PoolService, request: Any, context: grpc.ServicerContext) -> Any:
+            principal = principal_of(context, self.credentials)
+            self._current.context, self._current.principal = context, principal
+            try:
+                if self.credentials is not None and (principal.admin or principal.cluster):
+                    return method(self, request, context)  # operators and the cluster's own calls
+                with self.gate.admit(self._tenant_of(principal, request), cost(request), method.__name__):
+                    return method(self, request, context)
+            finally:
+                self._current.context = self._current.principal = None
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
 
 
 def max_request_bytes(max_batch_blocks: int) -> int:
@@ -81,10 +126,33 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
         self.max_event_subscribers = max_event_subscribers
         self.admin_enabled = node.config.admin_enabled
+        cfg = node.config
+        self.gate = TenantGate(
+            cfg.tenant_budget_units, cfg.tenant_calls, cfg.tenant_wait_ms, rate_units_per_s=cfg.tenant_rate_units_per_s
+        )
+        self._current = threading.local()  # the principal ``gated`` identified for this thread's call
 
     # helpers
     def _caller(self, context: grpc.ServicerContext) -> Principal:
+        if getattr(self._current, "context", None) is context:
+            principal: Principal = self._current.principal
+            return principal
         return principal_of(context, self.credentials)
+
+    def _tenant_of(self, principal: Principal, request: Any) -> Hashable:
+        """Whose share a call counts against: the credential's tenant; without credentials
+        (every caller is the same ANONYMOUS principal then) the namespace the call names, or
+        for a Release / PutCommit / PutAbort the namespace of the lease or put it names, or
+        else one share for every call that names no known namespace."""
+        if self.credentials is not None:
+            return principal.name
+        namespace = bytes(getattr(request, "namespace", b""))
+        if namespace:
+            return namespace
+        ids = list(request.lease_ids[:1]) if hasattr(request, "lease_ids") else []
+        ids += [request.put_id] if hasattr(request, "put_id") else []
+        owner = self.node.store.owner_of(int(ids[0])) if ids else None
+        return owner if owner is not None else b""
 
     def _authorise(self, principal: Principal, namespace: bytes) -> None:
         if not principal.may_use(namespace):
@@ -144,6 +212,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         return self.node.namespace(request.namespace).digest
 
     @typed_handler
+    @gated(lambda r: 1)
     def Hello(self, request: pool_pb2.HelloRequest, context: grpc.ServicerContext) -> pool_pb2.HelloReply:
         for name in ("hash_scheme", "protocol_version"):
             if len(getattr(request, name).encode()) > MAX_VERSION_STRING_BYTES:
@@ -170,12 +239,14 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         )
 
     @typed_handler
+    @gated(_hashes_cost)
     def Lookup(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LookupReply:
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         return pool_pb2.LookupReply(hits=self.node.lookup(info, keys))
 
     @typed_handler
+    @gated(_hashes_cost)
     def Lease(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LeaseReply:
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
@@ -189,11 +260,13 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         )
 
     @typed_handler
+    @gated(lambda r: request_cost(RELEASE_ID_WEIGHT * len(r.lease_ids)))
     def Release(self, request: pool_pb2.ReleaseRequest, context: grpc.ServicerContext) -> pool_pb2.ReleaseReply:
         self._caller(context)
         return pool_pb2.ReleaseReply(expired=self._release(request.lease_ids))
 
     @typed_handler
+    @gated(_hashes_cost)
     def PutStart(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.PutStartReply:
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
@@ -208,6 +281,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         )
 
     @typed_handler
+    @gated(lambda r: request_cost(len(r.checksums)))
     def PutCommit(self, request: pool_pb2.PutCommitRequest, context: grpc.ServicerContext) -> pool_pb2.PutCommitReply:
         self._caller(context)
         result = self.node.store.put_commit(request.put_id, list(request.checksums))
@@ -220,18 +294,21 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         return pool_pb2.PutCommitReply(committed=result.committed, checksum_failed=result.checksum_failed)
 
     @typed_handler
+    @gated(lambda r: 1)
     def PutAbort(self, request: pool_pb2.PutAbortRequest, context: grpc.ServicerContext) -> pool_pb2.Empty:
         self._caller(context)
         self.node.store.put_abort(request.put_id)
         return pool_pb2.Empty()
 
     @typed_handler
+    @gated(_hashes_cost)
     def Remove(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.RemoveReply:
         _, keys = self._keys(request, context)
         self._release(request.release_lease_ids)  # a client's pending releases ride on any call
         return pool_pb2.RemoveReply(removed=self.node.remove(keys))
 
     @typed_handler
+    @gated(_hashes_cost)
     def ReportCorrupt(
         self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext
     ) -> pool_pb2.ReportCorruptReply:
@@ -247,6 +324,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         return pool_pb2.ReportCorruptReply(dropped=self.node.drop_corrupt(info, keys))
 
     @typed_handler
+    @gated(_hashes_cost)
     def Pin(self, request: pool_pb2.PinRequest, context: grpc.ServicerContext) -> pool_pb2.PinReply:
         _, keys = self._keys(request, context)
         if request.unpin:
@@ -263,6 +341,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         return pool_pb2.StatsReply(json=json.dumps(introspect.inspect(self.node, request)))
 
     @typed_handler
+    @gated(lambda r: 4)
     def Stats(self, request: pool_pb2.StatsRequest, context: grpc.ServicerContext) -> pool_pb2.StatsReply:
         principal = self._caller(context)
         summary: dict[str, Any] = dict(self.node.store.summary())
@@ -271,6 +350,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
         summary.update(self.node.counters.summary())
+        summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (fairness.py)
+        summary["tenant_calls_refused"] = self.gate.refused
         summary.update(self._namespace_stats(request, principal))
         return pool_pb2.StatsReply(json=json.dumps(summary, sort_keys=True))
 
@@ -325,6 +406,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             self._subscriber_slots.release()
 
     @typed_handler
+    @gated(lambda r: WHOLE_BUDGET)
     def Snapshot(self, request: pool_pb2.SnapshotRequest, context: grpc.ServicerContext) -> pool_pb2.SnapshotReply:
         scope = self._scope(request, context, "a snapshot")
         if scope is None:

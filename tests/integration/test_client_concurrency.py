@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, DaemonHandle
+from conftest import REPO_ROOT, DaemonHandle, writable_arena
 
 from kvpool import KVSpec, PoolClient
 from kvpool.client.async_client import AsyncPoolClient
@@ -140,7 +140,7 @@ def test_a_writer_that_dies_mid_put_is_reclaimed_and_its_late_bytes_are_never_se
         offsets = _offsets(daemon.address, ns, hashes)
         assert zombie.offsets[0] in offsets  # the freed slot was reused
         # the zombie wakes up and writes its (stale) bytes into the slot it was once given
-        client.arena[zombie.offsets[0] : zombie.offsets[0] + SPEC.block_bytes] = 0x33
+        writable_arena(client)[zombie.offsets[0] : zombie.offsets[0] + SPEC.block_bytes] = 0x33
         got = client.get(hashes)
         reused = offsets.index(zombie.offsets[0])
         assert got.shape[0] == reused  # a miss from the overwritten block on, never wrong bytes

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, DaemonHandle, free_port
+from conftest import REPO_ROOT, DaemonHandle, free_port, writable_arena
 
 from kvpool import KVSpec, PoolClient
 from kvpool.client.pool_client import hello_request
@@ -329,7 +329,7 @@ def test_corrupted_block_is_a_miss_never_wrong_bytes(pool_daemon: DaemonHandle) 
         hashes = client.hashes(TOKENS)[:4]
         client.put(hashes, blocks)
         offsets = _lease_offsets(pool_daemon.address, client.namespace, hashes)
-        client.arena[offsets[2] + 100] ^= 0x5A  # garbage in block 2, after commit
+        writable_arena(client)[offsets[2] + 100] ^= 0x5A  # garbage in block 2, after commit
         got = client.get(hashes)
         assert got.shape[0] == 2  # blocks 0, 1 good; 2 fails its checksum; 3 is not trusted
         assert got.tobytes() == blocks[:2].tobytes()
@@ -349,8 +349,9 @@ def test_checksum_mismatch_at_commit_stores_nothing(pool_daemon: DaemonHandle) -
         start = raw_call(pool_daemon.address, "PutStart", request)
         assert list(start.indices) == [0, 1]
         blocks = make_blocks(2, seed=13).view(np.uint8).reshape(2, -1)
+        arena = writable_arena(client)
         for off, row in zip(start.offsets, blocks, strict=True):
-            client.arena[off : off + SPEC.block_bytes] = row
+            arena[off : off + SPEC.block_bytes] = row
         done = raw_call(
             pool_daemon.address, "PutCommit",
             pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=[checksum64(blocks[0]), 12345]),

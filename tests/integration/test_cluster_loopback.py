@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
+from conftest import writable_arena
 
 from kvpool.client.cluster_client import ClusterClient, DirectoryFailover
 from kvpool.core.errors import NotFound
@@ -482,7 +483,7 @@ def test_a_block_rotten_on_a_remote_node_is_reported_dropped_there_and_healed(cl
             stub = pool_pb2_grpc.PoolStub(ch)
             lease = stub.Lease(pool_pb2.HashesRequest(namespace=local.namespace.digest(), hashes=pack_hashes(h)))
             stub.Release(pool_pb2.ReleaseRequest(lease_ids=[lease.lease_id]))
-        local.arena[lease.offsets[3] + 11] ^= 0x42  # rot in node-a's arena, after commit
+        writable_arena(local)[lease.offsets[3] + 11] ^= 0x42  # rot in node-a's arena, after commit
         out = np.zeros_like(data)
         assert cc.get_into(h, out) == 3  # a miss from the rotten block on, never wrong bytes
         np.testing.assert_array_equal(out[:3], data[:3])

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import lmdb
 import numpy as np
-from conftest import REPO_ROOT, DaemonHandle, start_daemon
+from conftest import REPO_ROOT, DaemonHandle, start_daemon, writable_arena
 
 from kvpool import KVSpec, PoolClient
 from kvpool.client.async_client import AsyncPoolClient
@@ -79,7 +79,7 @@ def test_a_corrupted_arena_block_is_reported_dropped_counted_and_healed_by_the_n
         hashes = client.hashes(TOKENS)[:4]
         assert client.put(hashes, blocks).stored == 4
         seq_after_put, _ = client.snapshot()
-        client.arena[arena_offsets(address, client.namespace, hashes)[2] + 100] ^= 0x5A  # rot after commit
+        writable_arena(client)[arena_offsets(address, client.namespace, hashes)[2] + 100] ^= 0x5A  # rot after commit
 
         got = client.get(hashes)
         assert got.shape[0] == 2 and got.tobytes() == blocks[:2].tobytes()  # a miss from block 2 on
@@ -106,7 +106,7 @@ def test_the_async_client_reports_a_corrupted_block_too(pool_daemon: DaemonHandl
         async with await AsyncPoolClient.connect(address, SPEC, salt=b"tenant-a") as client:
             hashes = client.hashes(TOKENS)[:3]
             await client.put(hashes, blocks)
-            client.arena[arena_offsets(address, client.namespace, hashes)[0] + 1] ^= 0x01
+            writable_arena(client)[arena_offsets(address, client.namespace, hashes)[0] + 1] ^= 0x01
             out = np.zeros((3, *SPEC.block_shape), dtype=np.float16)
             missed = await client.get_into(hashes, out)
             after = await client.lookup(hashes)
@@ -129,7 +129,7 @@ def test_a_false_report_or_a_report_for_another_namespace_drops_nothing(pool_dae
         assert a.report_corrupt(hashes) == 0  # every block verifies: a report alone drops nothing
         assert a.lookup(hashes) == 4 and stats(address)["checksum_failures"] == 0
 
-        a.arena[arena_offsets(address, a.namespace, hashes)[1] + 7] ^= 0xFF  # A's block 1 really is bad
+        writable_arena(a)[arena_offsets(address, a.namespace, hashes)[1] + 7] ^= 0xFF  # A's block 1 really is bad
         assert b.report_corrupt(hashes) == 0  # B's report names B || hash: none of A's blocks
         raw = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=pack_hashes(hashes))
         with grpc.insecure_channel(address) as channel:
@@ -311,7 +311,7 @@ def test_the_reference_engine_recomputes_a_corrupted_block_once_and_then_hits_ag
         _, first = run("a")
         hashes = pool.hashes(prompt)
         assert pool.lookup(hashes) == 5
-        pool.arena[arena_offsets(pool_daemon.address, pool.namespace, hashes)[2] + 3] ^= 0x08
+        writable_arena(pool)[arena_offsets(pool_daemon.address, pool.namespace, hashes)[2] + 3] ^= 0x08
 
         engine, second = run("b")  # blocks 0-1 read; 2 fails: recomputed, reported, re-put
         assert engine.load_errors == 3 and second.hit_tokens == 16 and second.output == first.output

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, DaemonHandle, free_port, start_daemon
+from conftest import REPO_ROOT, DaemonHandle, free_port, start_daemon, writable_arena
 
 from kvpool import KVSpec, PoolClient
 from kvpool.core.auth import token_sha256
@@ -162,7 +162,7 @@ def test_lookup_explains_a_checksum_failure_a_removal_and_never_stored(
             request = pool_pb2.HashesRequest(namespace=client.namespace.digest(), hashes=pack_hashes(hashes[:4]))
             lease = stub.Lease(request, timeout=10)
             stub.Release(pool_pb2.ReleaseRequest(lease_ids=[lease.lease_id]), timeout=10)
-        client.arena[lease.offsets[2] + 5] ^= 0x41  # block 2 rots after commit
+        writable_arena(client)[lease.offsets[2] + 5] ^= 0x41  # block 2 rots after commit
         assert client.get(hashes[:4]).shape[0] == 2  # the reader sees it, reports it, it is dropped
         client.remove(hashes[3:4])
     report = inspect_json("lookup", "--tokens", tokens_file(tmp_path, TOKENS), *a)

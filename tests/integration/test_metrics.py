@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from conftest import REPO_ROOT, free_port, start_daemon
+from conftest import REPO_ROOT, free_port, start_daemon, writable_arena
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import KVSpec, PoolClient
@@ -110,7 +110,7 @@ def test_evictions_checksum_failures_and_error_codes_are_counted() -> None:
                     pool_pb2.HashesRequest(namespace=client.namespace.digest(), hashes=pack_hashes(last)), timeout=10
                 )
                 stub.Release(pool_pb2.ReleaseRequest(lease_ids=[reply.lease_id]), timeout=10)
-                client.arena[reply.offsets[0] + 7] ^= 0x33
+                writable_arena(client)[reply.offsets[0] + 7] ^= 0x33
                 assert client.get(last).shape[0] == 0  # the reader sees the rot, reports it, it is dropped
                 try:
                     stub.Lookup(pool_pb2.HashesRequest(namespace=b"\x01" * 16), timeout=10)

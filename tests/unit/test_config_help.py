@@ -16,6 +16,7 @@ from kvpool.daemon.config_loader import (
     default_help,
     format_bytes,
     parse_bytes,
+    parse_octal,
 )
 
 
@@ -34,6 +35,8 @@ def test_the_help_shows_each_dataclass_default() -> None:
         if opt.parse is parse_bytes:
             assert parse_bytes(format_bytes(value)) == value
             assert f"Default {format_bytes(value)}" in text
+        elif opt.parse is parse_octal:
+            assert int(f"{value:o}", 8) == value and f"Default {value:o}." in text
         elif not opt.default_means and isinstance(value, int | float) and not isinstance(value, bool):
             assert f"Default {value}." in text
 

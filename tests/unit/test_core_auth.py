@@ -110,3 +110,30 @@ def test_the_arena_handoff_request_is_bounded_and_exact() -> None:
     for mode, put_id, token in (("x", 0, ""), ("r", -1, ""), ("r", 0, "a b"), ("r", 0, "a\n")):
         with pytest.raises(InvalidArgument):
             pack_request(mode, put_id, token)
+
+
+def test_a_tenant_quota_is_parsed_and_a_namespace_counts_against_one_quota_only() -> None:
+    other = "cd" * 16
+    creds = parse_credentials(
+        creds_bytes(
+            tenants=[
+                {"name": "a", "token_sha256": token_sha256("ta"), "namespaces": [NS, other], "quota_bytes": 4096},
+                {"name": "b", "token_sha256": token_sha256("tb"), "namespaces": [NS]},  # shares NS, no quota
+            ]
+        )
+    )
+    ns, ns2 = bytes.fromhex(NS), bytes.fromhex(other)
+    assert creds.tenant_quotas() == {ns: ("a", 4096), ns2: ("a", 4096)}
+    found = creds.identify("ta")
+    assert found is not None and found.quota_bytes == 4096
+    for quota in (-1, "1GiB", 1.5, True, 1 << 61):
+        with pytest.raises(InvalidArgument, match="quota_bytes"):
+            parse_credentials(
+                creds_bytes(tenants=[{"name": "a", "token_sha256": token_sha256("x"), "quota_bytes": quota}])
+            )
+    two = [
+        {"name": "a", "token_sha256": token_sha256("ta"), "namespaces": [NS], "quota_bytes": 1},
+        {"name": "b", "token_sha256": token_sha256("tb"), "namespaces": [NS], "quota_bytes": 2},
+    ]
+    with pytest.raises(InvalidArgument, match="one tenant's quota only"):
+        parse_credentials(creds_bytes(tenants=two))

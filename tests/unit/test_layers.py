@@ -42,6 +42,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     # of the mapping moves behind a core interface once the arena's put window settles
     ("kvpool.client.pool_client", "kvpool.storage.arena"): "client arena mapping",
     ("kvpool.client.async_client", "kvpool.storage.arena"): "client arena mapping",
+    ("kvpool.client.blocks", "kvpool.storage.arena"): "client arena mapping (a put's write window)",
 }
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvpool.core.checksum import checksum64
 from kvpool.core.clock import FakeClock
 from kvpool.core.config import StoreConfig
-from kvpool.core.errors import CapacityExhausted
+from kvpool.core.errors import CapacityExhausted, InvalidArgument
 from kvpool.storage.host_store import HostStore
 
 BLOCK = 1024
@@ -111,3 +111,66 @@ def test_no_namespace_ever_holds_more_than_its_quota(puts: list[tuple[bytes, lis
         for name in (A, B):
             held = q.held(name, range(13))
             assert q.store.namespace_bytes(name) == len(held) * BLOCK <= 5 * BLOCK
+
+
+A2 = b"c" * 16  # a second namespace of tenant "t" (with A)
+
+
+def tenant_quota(tenant_blocks: int, uniform_blocks: int = 0, slots: int = 16) -> Quota:
+    """A store where namespaces A and A2 belong to tenant "t" with its own quota of
+    ``tenant_blocks``; B has the uniform per-namespace one (``uniform_blocks``)."""
+    q = Quota(quota_blocks=uniform_blocks, slots=slots)
+    q.store.set_tenant_quotas({A: ("t", tenant_blocks * BLOCK), A2: ("t", tenant_blocks * BLOCK)})
+    return q
+
+
+def test_a_tenant_quota_counts_all_its_namespaces_and_evicts_only_its_own() -> None:
+    q = tenant_quota(tenant_blocks=4)
+    assert q.put(B, [0, 1, 2, 3, 4, 5]) == 6  # no uniform quota: B is not capped
+    assert q.put(A, [0, 1, 2]) == 3
+    assert q.put(A2, [0, 1, 2]) == 3  # 6 > 4: the tenant's oldest blocks (A's) go first
+    assert q.store.tenant_bytes("t") == 4 * BLOCK
+    assert q.held(A, range(3)) == [2] and q.held(A2, range(3)) == [0, 1, 2]
+    assert q.held(B, range(6)) == list(range(6))  # nothing of another tenant was evicted
+    with pytest.raises(CapacityExhausted, match="tenant 't'"):
+        q.put(A, list(range(10, 15)))  # 5 blocks can never fit a 4-block quota
+    assert q.store.tenant_bytes("t") == 4 * BLOCK
+
+
+def test_tenant_quotas_are_set_before_the_store_holds_anything() -> None:
+    q = Quota(quota_blocks=0)
+    q.put(A, [0])
+    with pytest.raises(InvalidArgument):
+        q.store.set_tenant_quotas({A: ("t", BLOCK)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([A, A2, B]), st.lists(st.integers(0, 12), min_size=1, max_size=5)), max_size=30)
+)
+def test_no_tenant_ever_holds_more_than_its_quota(puts: list[tuple[bytes, list[int]]]) -> None:
+    q = tenant_quota(tenant_blocks=6, uniform_blocks=3, slots=16)
+    for ns, ids in puts:
+        before_b = q.held(B, range(13))
+        try:
+            q.put(ns, ids)
+        except CapacityExhausted:
+            pass
+        if ns != B:
+            assert q.held(B, range(13)) == before_b  # the tenant's puts never evict B
+        tenant_held = len(q.held(A, range(13))) + len(q.held(A2, range(13)))
+        assert q.store.tenant_bytes("t") == tenant_held * BLOCK <= 6 * BLOCK
+        assert q.store.namespace_bytes(B) == len(q.held(B, range(13))) * BLOCK <= 3 * BLOCK
+
+
+@settings(max_examples=40, deadline=None)
+@given(run=st.integers(0, 1500), extra=st.sets(st.integers(0, 1500), max_size=50), asked=st.integers(0, 1500))
+def test_a_long_lookup_walked_in_chunks_counts_the_leading_run(run: int, extra: set[int], asked: int) -> None:
+    """``HostStore.lookup`` takes the lock ``LOOKUP_LOCK_KEYS`` keys at a time: the count is
+    still the leading run of present keys, across chunk boundaries."""
+    present = set(range(run)) | {i for i in extra if i != run}  # a leading run, then holes and islands
+    q = Quota(quota_blocks=0, slots=1600)
+    for start in range(0, 1501, 400):
+        q.put(A, [i for i in range(start, min(start + 400, 1501)) if i in present])
+    expected = next((i for i in range(asked) if i not in present), asked)
+    assert q.store.lookup([key(A, i) for i in range(asked)]) == expected

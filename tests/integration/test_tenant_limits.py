@@ -1,0 +1,120 @@
+"""Per-tenant limits on a real daemon (issue 10): a tenant's own quota from the credentials
+file, and per-tenant fairness under a flood.
+
+- A tenant with ``quota_bytes`` in the credentials file holds at most that many host-tier
+  bytes over all its namespaces together; writing past it evicts only its own oldest
+  blocks; another tenant (on the uniform ``--namespace-quota-bytes``) loses nothing and
+  reads back every byte it stored.
+- A tenant flooding the daemon with the largest requests from many threads is refused
+  ``TENANT_BUSY`` (typed, RESOURCE_EXHAUSTED) past its share, while another tenant's calls
+  all succeed with the right answers, and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import grpc
+import numpy as np
+from conftest import DaemonHandle
+from test_auth import NS_A, NS_A2, NS_B, SPEC, TOKEN_A, TOKEN_B, TOKENS, make_blocks
+
+from kvpool import PoolClient
+from kvpool.core.auth import token_sha256
+from kvpool.core.errors import ErrorCode
+from kvpool.daemon.service import MAX_RELEASE_IDS_PER_CALL
+from kvpool.proto import pool_pb2, pool_pb2_grpc
+from kvpool.rpc.errors import from_rpc_error
+
+
+def test_a_tenant_quota_from_the_credentials_file_caps_all_its_namespaces(daemon_factory: Any, tmp_path: Any) -> None:
+    quota_blocks = 6
+    path = os.path.join(str(tmp_path), "credentials.json")
+    with open(path, "w") as fh:
+        json.dump(
+            {
+                "tenants": [
+                    {
+                        "name": "tenant-a",
+                        "token_sha256": token_sha256(TOKEN_A),
+                        "namespaces": [NS_A.hex(), NS_A2.hex()],
+                        "quota_bytes": quota_blocks * SPEC.block_bytes,
+                    },
+                    {"name": "tenant-b", "token_sha256": token_sha256(TOKEN_B), "namespaces": [NS_B.hex()]},
+                ]
+            },
+            fh,
+        )
+    daemon: DaemonHandle = daemon_factory("--credentials", path, "--namespace-quota-bytes", str(4 * SPEC.block_bytes))
+    with (
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a,
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-a-second", token=TOKEN_A) as a2,
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-b", token=TOKEN_B) as b,
+    ):
+        b_hashes = b.hashes(TOKENS)
+        b_blocks = make_blocks(4, seed=30)
+        assert b.put(b_hashes, b_blocks).stored == 4  # B at its uniform quota
+        first = a.hashes(list(range(16 * 4)))
+        assert a.put(first, make_blocks(4, seed=31)).stored == 4
+        flood = a2.hashes(list(range(16 * 40)))
+        for start in range(0, 40, 4):  # tenant A writes, through its second namespace, 7x its quota
+            assert a2.put(flood[start : start + 4], make_blocks(4, seed=start)).stored == 4
+        held_a = sum(a.lookup([h]) for h in first) + sum(a2.lookup([h]) for h in flood)
+        assert held_a == quota_blocks  # both namespaces together, at the tenant's quota
+        assert a2.lookup(flood[-quota_blocks:]) == quota_blocks  # it keeps its newest share
+        used = [ns["used_bytes"] for c in (a, a2) for ns in c.stats()["namespaces"]]
+        assert sum(used) == quota_blocks * SPEC.block_bytes
+        assert b.get(b_hashes).tobytes() == b_blocks.tobytes()  # B lost nothing to A: 0 cross-tenant evictions
+        assert b.stats()["namespaces"][0]["used_bytes"] == 4 * SPEC.block_bytes  # B keeps the uniform quota
+
+
+def test_a_flooding_tenant_is_refused_its_excess_and_another_tenant_is_served(daemon_factory: Any) -> None:
+    daemon: DaemonHandle = daemon_factory(
+        "--tenant-budget-units", "16", "--tenant-rate-units-per-s", "200", "--tenant-wait-ms", "20"
+    )  # fmt: skip
+    codes: list[str] = []
+    stop = threading.Event()
+    with (
+        PoolClient.connect(daemon.address, SPEC, salt=b"victim") as victim,
+        PoolClient.connect(daemon.address, SPEC, salt=b"flooder") as flooder,
+    ):
+        hashes = victim.hashes(TOKENS)
+        blocks = make_blocks(4, seed=33)
+        assert victim.put(hashes, blocks).stored == 4
+        rng = np.random.default_rng(5)
+        big = pool_pb2.HashesRequest(
+            namespace=flooder.namespace.digest(), hashes=rng.bytes(16 * flooder.max_batch_blocks)
+        )
+        ids = pool_pb2.ReleaseRequest(lease_ids=[int(x) for x in rng.integers(1, 2**62, MAX_RELEASE_IDS_PER_CALL)])
+
+        def flood() -> None:
+            with grpc.insecure_channel(daemon.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+                stub = pool_pb2_grpc.PoolStub(ch)
+                while not stop.is_set() and len(codes) < 400:
+                    for method, request in ((stub.Lookup, big), (stub.Release, ids)):
+                        try:
+                            method(request, timeout=30)
+                            codes.append("ok")
+                        except grpc.RpcError as exc:
+                            codes.append(from_rpc_error(exc, daemon.address).code.wire_name)
+
+        threads = [threading.Thread(target=flood) for _ in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            for served in range(150):  # the victim's calls all succeed, with the right answers
+                assert victim.lookup(hashes) == 4
+                if served % 25 == 0:
+                    np.testing.assert_array_equal(victim.get(hashes), blocks)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert set(codes) <= {"ok", ErrorCode.TENANT_BUSY.wire_name}  # typed, never INTERNAL
+        assert codes.count(ErrorCode.TENANT_BUSY.wire_name) > 0  # the flood was held to its share
+        stats = victim.stats()
+        assert stats["tenant_calls_refused"] >= codes.count(ErrorCode.TENANT_BUSY.wire_name)  # counted by the daemon
+        assert victim.lookup(hashes) == 4  # still serving
