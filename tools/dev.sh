@@ -30,6 +30,16 @@ setup() {
     # resolves to a CUDA build (5.7 GB) unless a CPU wheel is at hand; NIXL needs no torch on host
     # memory, and a pip extra cannot say --no-deps, so it is not a kvpool[...] extra (docs/cluster.md).
     "$VENV/bin/python" -m pip install -q --no-deps "$NIXL_REQUIREMENT"
+    # etcd (a system binary) for multi-node pools and the cluster tests: installed when this is a
+    # root shell with apt-get (CI, containers); otherwise those tests skip and say how to get it.
+    if ! command -v etcd >/dev/null; then
+        if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null 2>&1 \
+                || echo "kvpool: could not apt-get install etcd-server; cluster tests will skip" >&2
+        else
+            echo "kvpool: no etcd on PATH: install etcd-server (apt) for multi-node pools; cluster tests will skip" >&2
+        fi
+    fi
     echo "$want" > "$stamp"
 }
 

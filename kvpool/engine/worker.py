@@ -24,20 +24,40 @@ from kvpool.engine.model import ModelConfig, RefModel
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool.engine.worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--role", choices=ROLES, required=True)
+    parser = argparse.ArgumentParser(
+        prog="kvpool.engine.worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        required=True,
+        help="prefill: store each prompt's KV in the pool and emit the first token; decode: load the cached "
+        "prefix and decode the rest; both: one colocated engine",
+    )
     parser.add_argument("--pool", default="", help="daemon HOST:PORT; empty = no pool")
     parser.add_argument("--salt", default="", help="tenant salt of the pool namespace")
     parser.add_argument("--requests", required=True, help="JSON file of requests")
     parser.add_argument("--out", required=True, help="JSON file to write results to")
     parser.add_argument("--seed", type=int, default=0, help="model weight seed")
-    parser.add_argument("--num-layers", type=int, default=ModelConfig.num_layers)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--num-pages", type=int, default=2048)
-    parser.add_argument("--page-tokens", type=int, default=16)
-    parser.add_argument("--block-tokens", type=int, default=32)
-    parser.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill size; 0 = off")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=ModelConfig.num_layers,
+        help="layers of the reference model (default %(default)s)",
+    )
+    parser.add_argument("--dtype", default="float32", help="torch dtype of weights and KV (default %(default)s)")
+    parser.add_argument(
+        "--num-pages", type=int, default=2048, help="pages of the engine's own paged KV cache (default %(default)s)"
+    )
+    parser.add_argument("--page-tokens", type=int, default=16, help="tokens per engine KV page (default %(default)s)")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=32,
+        help="tokens per pool block, a multiple of --page-tokens; prefill and decode must agree (default %(default)s)",
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill size in tokens; 0 = off (default)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     return parser
 
 
