@@ -53,7 +53,7 @@ case "$cmd" in
         ;;
     test)
         setup
-        exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+        exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"
         ;;
     bench)
         setup

@@ -113,7 +113,34 @@ def stats_view(stats: Mapping[str, Any]) -> Group:
     by_tier = stats.get("lookup_hit_blocks_by_tier") or {}
     if by_tier:
         table.add_row("lookup hits by tier (blocks)", ", ".join(f"{tier}={n}" for tier, n in by_tier.items()))
-    return Group(table, tiers_view(stats))
+    return Group(table, tiers_view(stats), tier_faults_view(stats))
+
+
+#: a tier's fault and drop counters (docs/tiers.md "Statistics"), shown as key=value so that a
+#: reader (or grep) finds each by its Stats name
+TIER_FAULT_KEYS = (
+    "demotion_drops",
+    "admission_skips",
+    "queue_full_drops",
+    "unplaced_drops",
+    "disk_full",
+    "io_errors",
+    "recovery_dropped",
+)
+
+
+def tier_faults_view(stats: Mapping[str, Any]) -> Table:
+    """Per enabled tier: the counters of work a tier refused or lost (write-behind drops, a full
+    disk, I/O errors) and its last faults: what explains blocks that never reached a tier."""
+    table = _table("tier faults and drops", "tier", "counters", "last faults")
+    for name, tier in tiers_of(stats).items():
+        if not tier.get("enabled", True):
+            continue
+        counters = ", ".join(f"{key}={tier[key]}" for key in TIER_FAULT_KEYS if key in tier)
+        faults = tier.get("faults") or []
+        if counters or faults:
+            table.add_row(name, counters or "-", "; ".join(str(f) for f in faults[-3:]) or "none")
+    return table
 
 
 def tiers_of(stats: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
