@@ -27,6 +27,7 @@ from kvpool.core.hashing import unpack_hashes
 from kvpool.proto import router_pb2, router_pb2_grpc
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.errors import typed_handler
+from kvpool.rpc.http_json import read_json_body
 from kvpool.rpc.metrics import ServiceMetrics, exposition
 from kvpool.scheduler.cluster import Slo
 from kvpool.scheduler.router_core import RouterCore, RouteResult, WorkerLoad
@@ -126,16 +127,7 @@ def _handler_for(core: RouterCore, metrics: ServiceMetrics, http_metrics: HttpMe
             )
 
         def _body(self) -> dict[str, Any]:
-            n = int(self.headers.get("Content-Length") or 0)
-            if n > 64 << 20:
-                raise InvalidArgument("request body over 64 MiB")
-            try:
-                obj = json.loads(self.rfile.read(n) or b"{}")
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"body is not JSON: {exc.msg}") from None
-            if not isinstance(obj, dict):
-                raise InvalidArgument("body must be a JSON object")
-            return obj
+            return read_json_body(self, 64 << 20)
 
         def do_GET(self) -> None:
             if self.path == "/stats":

@@ -20,6 +20,21 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 
 
+def read_json_body(handler: BaseHTTPRequestHandler, limit_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """``handler``'s request body as a JSON object; ``InvalidArgument`` for an oversized,
+    undecodable or non-object body (every JSON endpoint of kvpool reads bodies this way)."""
+    n = int(handler.headers.get("Content-Length") or 0)
+    if n > limit_bytes:
+        raise InvalidArgument(f"request body over {limit_bytes} bytes")
+    try:
+        body = json.loads(handler.rfile.read(n) or b"{}")
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"body is not JSON: {exc.msg}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body must be a JSON object")
+    return body
+
+
 class JsonHandler(BaseHTTPRequestHandler):
     """Base of a handler class; subclasses add ``do_GET`` / ``do_POST``."""
 
@@ -30,16 +45,7 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def read_json(self, limit_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
         """The request body as a JSON object; ``InvalidArgument`` for anything else."""
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > limit_bytes:
-            raise InvalidArgument(f"request body over {limit_bytes} bytes")
-        try:
-            body = json.loads(self.rfile.read(n) or b"{}")
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"body is not JSON: {exc.msg}") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("body must be a JSON object")
-        return body
+        return read_json_body(self, limit_bytes)
 
     def send_json(self, status: int, obj: dict[str, Any]) -> None:
         data = json.dumps(obj).encode()
