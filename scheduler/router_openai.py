@@ -7,7 +7,9 @@ The handshake (vLLM's disaggregated-prefill proxy pattern, the KV pushed through
    goes. ``SplitPolicy``: a prompt whose *uncached* part (prompt minus the prefix the pool
    holds, as the pool's KV events tell the router) is at most ``local_prefill_tokens``
    prefills on the decode instance itself (short or well-cached: no second hop); a longer
-   one prefills on a prefill instance.
+   one prefills on a prefill instance. While the decode instance has requests decoding, the
+   limit is ``busy_local_prefill_tokens``: a local prefill runs as one engine step and every
+   running decode waits for it, so only small ones may interrupt decoding.
 2. Remote prefill: ``POST prefill/v1/completions`` with ``max_tokens: 1``. The prefill
    instance (vLLM ``kv_producer`` with ``KvpoolConnector``, or the reference engine's
    ``prefill`` role) writes the prompt's full blocks into the pool and answers.
@@ -78,10 +80,17 @@ class SplitPolicy(Policy):
 
     name = "split"
 
-    def __init__(self, local_prefill_tokens: int, mode: RouteMode = "auto") -> None:
-        if local_prefill_tokens < 0:
-            raise InvalidArgument("local_prefill_tokens must be >= 0")
+    def __init__(
+        self, local_prefill_tokens: int, mode: RouteMode = "auto", busy_local_prefill_tokens: int | None = None
+    ) -> None:
+        if local_prefill_tokens < 0 or (busy_local_prefill_tokens is not None and busy_local_prefill_tokens < 0):
+            raise InvalidArgument("local_prefill_tokens and busy_local_prefill_tokens must be >= 0")
         self.local_prefill_tokens = local_prefill_tokens
+        # While the decode instance is decoding, a local prefill stalls every running decode for
+        # as long as it runs (one engine step): only prefill this many uncached tokens there then.
+        self.busy_local_prefill_tokens = (
+            local_prefill_tokens if busy_local_prefill_tokens is None else busy_local_prefill_tokens
+        )
         self.mode: RouteMode = mode
         self.down: set[int] = set()  # members marked down by the front door
 
@@ -95,10 +104,13 @@ class SplitPolicy(Policy):
         hit = req.cached_tokens(int(state.reachable_blocks(lens)[d]), state.spec.block_tokens)
         uncached = req.input_tokens - hit
         prefill = [int(m) for m in state.prefill_arr if int(m) not in self.down]
-        remote = self.mode == "remote" or (self.mode == "auto" and uncached > self.local_prefill_tokens)
+        running = int(state.decode_active[d])
+        limit = min(self.local_prefill_tokens, self.busy_local_prefill_tokens) if running else self.local_prefill_tokens
+        remote = self.mode == "remote" or (self.mode == "auto" and uncached > limit)
         if remote and prefill:
             p = int(prefill[int(np.argmin(state.queues_ms(np.array(prefill))))])
-            return explain(state, req, p, "instance", d, lens, f"uncached {uncached} tokens: prefill instance")
+            why = f"uncached {uncached} tokens > {limit} ({running} decoding there): prefill instance"
+            return explain(state, req, p, "instance", d, lens, why)
         if self.mode == "remote":
             return Decision.reject("no prefill instance is up (route mode 'remote')")
         return explain(state, req, d, "decode_local", d, lens, f"uncached {uncached} tokens: prefill on decode")

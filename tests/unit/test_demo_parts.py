@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvpool.cli.demo_bench import REF_BLOCK_TOKENS, Outcome, conversation_workload, mixed_workload, summarize
 from kvpool.core.clock import FakeClock
+from kvpool.core.errors import InvalidArgument
 from kvpool.core.events import EventKind, KVEvent
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
@@ -73,6 +74,21 @@ def test_split_policy_short_or_cached_local_long_remote_down_skipped() -> None:
     policy.mode = "auto"
     r = c.route(c.request_from(short, None, 0, 8, None))
     assert r.decision.rejected and "no decode instance" in r.decision.reason
+
+
+def test_split_policy_keeps_long_local_prefills_off_a_decoding_instance() -> None:
+    policy = SplitPolicy(local_prefill_tokens=128, busy_local_prefill_tokens=32)
+    c = core(policy, decode=1)
+    tiny, short = list(range(4, 34)), list(range(4, 84))  # 30 and 80 uncached tokens
+    assert c.route(c.request_from(short, None, 0, 8, None)).decision.prefill_kind == "decode_local"  # idle
+    c.report(WorkerLoad("decode-0", active_requests=2))
+    r = c.route(c.request_from(short, None, 0, 8, None))
+    assert r.decision.prefill_kind == "instance" and "2 decoding there" in r.decision.reason
+    assert c.route(c.request_from(tiny, None, 0, 8, None)).decision.prefill_kind == "decode_local"
+    c.report(WorkerLoad("decode-0", active_requests=0))
+    assert c.route(c.request_from(short, None, 0, 8, None)).decision.prefill_kind == "decode_local"
+    with pytest.raises(InvalidArgument):
+        SplitPolicy(128, busy_local_prefill_tokens=-1)
 
 
 def test_conversation_slice_keeps_shared_prefixes_and_its_oracle(tmp_path: Path) -> None:
