@@ -209,6 +209,7 @@ class FrontDoor:
             raise InvalidArgument(f"instances {sorted(missing)} are not in the router's {core.names}")
         self._lock = threading.Lock()
         self._active: dict[str, int] = dict.fromkeys(self.instances, 0)
+        self._context_tokens: dict[str, int] = dict.fromkeys(self.instances, 0)  # prompt + max_tokens in flight
         self._ids = itertools.count(1)
         self.counters: dict[str, int] = {"requests": 0, "local": 0, "remote": 0, "failed": 0, "hit_tokens": 0}
         self.counters["prompt_tokens"] = 0
@@ -273,11 +274,14 @@ class FrontDoor:
         with self._lock:
             self.policy.down.add(self.core.names.index(inst.name))
 
-    def _busy(self, inst: Instance, delta: int) -> None:
+    def _busy(self, inst: Instance, delta: int, tokens: int) -> None:
+        """Count a request (``tokens``: its prompt + max_tokens) in (+1) or out (-1) of ``inst``
+        and report the instance's real load, replacing what the router charged at placement."""
         with self._lock:
             self._active[inst.name] += delta
-            n = self._active[inst.name]
-        self.core.report(WorkerLoad(inst.name, outstanding_requests=n, active_requests=n))
+            self._context_tokens[inst.name] += delta * tokens
+            n, ctx = self._active[inst.name], self._context_tokens[inst.name]
+        self.core.report(WorkerLoad(inst.name, outstanding_requests=n, active_requests=n, context_tokens=ctx))
 
     def serve(self, job: Job) -> Iterator[tuple[list[int], dict[str, Any]]]:
         """Run ``job``: yields (new token ids, kvpool info so far) per engine chunk. Raises
@@ -293,22 +297,23 @@ class FrontDoor:
             self.counters["remote" if prefill else "local"] += 1
             self.counters["prompt_tokens"] += len(job.token_ids)
         body = {**job.engine_body, "model": self.model_name, "prompt": job.token_ids}
+        tokens = len(job.token_ids) + int(job.engine_body["max_tokens"])
         current = decode
         try:
             if prefill is not None:
                 current = prefill
-                self._busy(prefill, 1)
+                self._busy(prefill, 1, tokens)
                 try:
                     first = complete(prefill, "prefill", {**body, "max_tokens": 1})
                 finally:
-                    self._busy(prefill, -1)
+                    self._busy(prefill, -1, tokens)
                 info["prefill_first_token"] = first["choices"][0].get("token_ids", [])
                 done = first.get("kvpool") or {}  # the reference engine says what it did; vLLM does not
                 info["prefill_instance_tokens_run"] = done.get("prefill_tokens_run")
                 info["prefill_instance_hit_tokens"] = done.get("hit_tokens")
                 info["prefill_stored_blocks"] = done.get("stored_blocks")
                 current = decode
-            self._busy(decode, 1)
+            self._busy(decode, 1, tokens)
             try:
                 for event in stream(decode, "decode", body):
                     usage = event.get("usage") or {}
@@ -320,7 +325,7 @@ class FrontDoor:
                     for choice in event.get("choices", []):
                         yield list(choice.get("token_ids") or []), info
             finally:
-                self._busy(decode, -1)
+                self._busy(decode, -1, tokens)
         except EngineUnavailable as err:
             with self._lock:
                 self.counters["failed"] += 1
