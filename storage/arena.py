@@ -389,12 +389,22 @@ class PutWindow:
     def mapped_bytes(self) -> int:
         return sum(stop - start for start, stop, _, _ in self._runs)
 
+    def view_of(self, start: int, stop: int) -> np.ndarray:
+        """The writable bytes ``[start, stop)``: one slot of this put, a prefix of one, or
+        whole slots that follow one another (a run the client copies in one call);
+        ``InvalidArgument`` for anything else."""
+        start, stop = int(start), int(stop)
+        whole = (stop - start) // self._length if stop - start > self._length else 1
+        slots_ok = stop > start and all(start + k * self._length in self._slots for k in range(whole))
+        if not slots_ok or stop - start > whole * self._length:
+            raise InvalidArgument(f"arena bytes [{start}, {stop}) are not slots of this put")
+        run_start, run_stop, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
+        if stop > run_stop:  # slots in two runs are never adjacent, but say so if they are
+            raise InvalidArgument(f"arena bytes [{start}, {stop}) span two mappings of this put")
+        return view[start - run_start : stop - run_start]
+
     def __setitem__(self, where: slice, value: np.ndarray) -> None:
-        start, stop = int(where.start), int(where.stop)
-        if start not in self._slots or stop - start > self._length:
-            raise InvalidArgument(f"arena bytes [{start}, {stop}) are not a slot of this put")
-        run_start, _, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
-        view[start - run_start : stop - run_start] = value
+        self.view_of(where.start, where.stop)[:] = value
 
     def close(self) -> None:
         while self._runs:
