@@ -107,7 +107,9 @@ class HugePageRoom:
                         fields[name] = int(rest.split()[0])
         except (OSError, ValueError, IndexError):
             pass
-        return cls(fields.get("Hugepagesize", 0) * 1024, fields.get("HugePages_Total", 0), fields.get("HugePages_Free", 0))
+        return cls(
+            fields.get("Hugepagesize", 0) * 1024, fields.get("HugePages_Total", 0), fields.get("HugePages_Free", 0)
+        )
 
     @property
     def free_bytes(self) -> int:

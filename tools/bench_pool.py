@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_copy import KiB, MiB, Baselines, CopyWorkers, Spread, aggregate_rounds, anon_huge_bytes, timed  # noqa: E402
+from bench_copy import Baselines, CopyWorkers, KiB, MiB, Spread, aggregate_rounds, anon_huge_bytes, timed
 
-from kvpool import KVSpec, PoolClient  # noqa: E402
-from kvpool.core.hashing import chain_hashes  # noqa: E402
-from kvpool.daemon.cluster_local import free_port  # noqa: E402
-from kvpool.storage.arena import HugePageRoom  # noqa: E402
+from kvpool import KVSpec, PoolClient
+from kvpool.core.hashing import chain_hashes
+from kvpool.daemon.cluster_local import free_port
+from kvpool.storage.arena import HugePageRoom
 
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"

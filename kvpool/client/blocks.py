@@ -96,11 +96,7 @@ def adjacent_runs(offsets: Sequence[int], indices: Sequence[int], block_bytes: i
         if runs:
             first, count = runs[-1]
             last = first + count - 1
-            if (
-                count < most
-                and offsets[k] == offsets[last] + block_bytes
-                and indices[k] == indices[last] + 1
-            ):
+            if count < most and offsets[k] == offsets[last] + block_bytes and indices[k] == indices[last] + 1:
                 runs[-1] = (first, count + 1)
                 continue
         runs.append((k, 1))
@@ -118,9 +114,9 @@ def _copy_checksum_block(dst: np.ndarray, src: np.ndarray, hash_dst: bool) -> in
         piece_dst = dst[start : start + COPY_PIECE_BYTES]
         if hash_dst:
             np.copyto(piece_dst, piece_src)
-            state.update(piece_dst)
+            state.update(piece_dst.data)
         else:
-            state.update(piece_src)
+            state.update(piece_src.data)
             np.copyto(piece_dst, piece_src)
     return state.intdigest()
 
