@@ -16,6 +16,7 @@ memory, measured in the same run as kvpool (issue 13, item 1).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import multiprocessing as mp
 import os
@@ -116,8 +117,8 @@ class Baselines:
         """Time every copy size out of and into the shared mapping; keep the best of each."""
         found: dict[str, dict[int, float]] = {"read": {}, "write": {}}
         for piece in PIECES:
-            read = [timed(lambda p=piece: self.shm_read(p)) for _ in range(repeats)]
-            write = [timed(lambda p=piece: self.shm_write(p)) for _ in range(repeats)]
+            read = [timed(functools.partial(self.shm_read, piece)) for _ in range(repeats)]
+            write = [timed(functools.partial(self.shm_write, piece)) for _ in range(repeats)]
             found["read"][piece] = self.nbytes / statistics.median(read) / 1e9
             found["write"][piece] = self.nbytes / statistics.median(write) / 1e9
         self.read_piece_bytes = max(found["read"], key=lambda p: found["read"][p])

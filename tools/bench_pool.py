@@ -24,6 +24,7 @@ the shared mapping; N clients >= 0.8x of N copying processes. Hashing a 128K-tok
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_copy import Baselines, CopyWorkers, KiB, MiB, Spread, aggregate_rounds, anon_huge_bytes, timed
 
 from kvpool import KVSpec, PoolClient
+from kvpool.client.blocks import read_rows
+from kvpool.core.checksum import checksum64
 from kvpool.core.hashing import chain_hashes
 from kvpool.daemon.cluster_local import free_port
 from kvpool.storage.arena import HugePageRoom
@@ -202,12 +205,50 @@ def bench_clients(
     }
 
 
+def two_pass_read(arena: np.ndarray, dst: np.ndarray, offsets: Sequence[int], checksums: Sequence[int]) -> int:
+    """The read path before issue 13: copy each whole block, then checksum it (a second
+    pass over bytes that are out of cache by then). Kept here as the A/B reference."""
+    block_bytes = dst.shape[1]
+    for i, (offset, expected) in enumerate(zip(offsets, checksums, strict=True)):
+        np.copyto(dst[i], arena[offset : offset + block_bytes])
+        if checksum64(dst[i]) != expected:
+            return i
+    return len(offsets)
+
+
+def bench_one_pass(base: Baselines, sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
+    """In this process, out of the 4 KiB-page shared mapping: the two-pass read against
+    ``read_rows`` (one pass, adjacent blocks together), interleaved, per block size."""
+    rows = []
+    for block_bytes in sizes:
+        n = base.nbytes // block_bytes
+        arena = base.shared.view[: n * block_bytes]
+        dst = base.private_dst[: n * block_bytes].reshape(n, block_bytes)
+        offsets = [i * block_bytes for i in range(n)]
+        sums = [checksum64(arena[o : o + block_bytes]) for o in offsets]
+        old: list[float] = []
+        new: list[float] = []
+        for _ in range(repeats):
+            old.append(timed(functools.partial(two_pass_read, arena, dst, offsets, sums)))
+            new.append(timed(functools.partial(read_rows, arena, dst, offsets, sums, "bench")))
+        rows.append(
+            {
+                "block_bytes": block_bytes,
+                "two_pass": Spread.of(n * block_bytes, old),
+                "one_pass": Spread.of(n * block_bytes, new),
+                "x": statistics.median(old) / statistics.median(new),
+            }
+        )
+    return rows
+
+
 def bench_hashing(repeats: int) -> list[dict[str, float]]:
     tokens = np.random.default_rng(0).integers(0, 150_000, 131_072, dtype=np.int64)
     seed = bytes(16)
     rows = []
     for block_tokens in (16, 64, 256):
-        seconds = min(timed(lambda bt=block_tokens: chain_hashes(seed, tokens, bt)) for _ in range(max(repeats, 20)))
+        run = functools.partial(chain_hashes, seed, tokens, block_tokens)
+        seconds = min(timed(run) for _ in range(max(repeats, 20)))
         rows.append({"block_tokens": block_tokens, "tokens": tokens.size, "ms": seconds * 1e3})
     return rows
 
@@ -235,6 +276,19 @@ def print_sizes(title: str, rows: Sequence[dict[str, Any]]) -> None:
             f"{r['huge_copy'].text():>20} | {r['shm_write'].text():>20} {r['put'].text():>20} "
             f"{r['put_x_shm']:>6.2f} {r['put_fixed_us']:>8.1f}"
         )
+
+
+def fixed_cost_us(rows: Sequence[dict[str, Any]], name: str, most_bytes: int = 2 * MiB) -> float:
+    """The per-block fixed cost of ``name``: the intercept of a least-squares line of median
+    time per block against block bytes, over the sizes up to ``most_bytes`` (the slope is
+    the per-byte cost: copy and checksum)."""
+    fit = [r for r in rows if r["block_bytes"] <= most_bytes]
+    if len(fit) < 2:
+        return float("nan")
+    x = [r["block_bytes"] for r in fit]
+    y = [r["block_bytes"] / (r[name].median_GBps * 1e9) for r in fit]
+    _, intercept = np.polyfit(x, y, 1)
+    return float(intercept) * 1e6
 
 
 def verdicts(rows: Sequence[dict[str, Any]], clients: dict[str, Any] | None) -> list[str]:
@@ -276,7 +330,15 @@ def main() -> int:
         print(f"# shared-mapping {kind} GB/s by copy size: {pieces}")
     print(f"# private huge-page buffers: AnonHugePages {anon_huge_bytes() // MiB} MiB")
     results: dict[str, Any] = {"load_average": os.getloadavg(), "pieces": found}
-    arenas = [("4 KiB-page arena", ())]
+    one_pass = bench_one_pass(base, sizes, args.repeats)
+    print("\n## verified read out of the 4 KiB-page shared mapping, in-process: two passes vs one (GB/s)")
+    for r in one_pass:
+        print(
+            f"{r['block_bytes'] // KiB:>5}Ki  copy-then-checksum {r['two_pass'].text()}  "
+            f"read_rows {r['one_pass'].text()}  = {r['x']:.2f}x"
+        )
+    results["one_pass"] = one_pass
+    arenas: list[tuple[str, tuple[str, ...]]] = [("4 KiB-page arena", ())]
     with reserved_huge_pages(capacity if args.huge_pages == "auto" else 0) as huge_ok:
         if huge_ok and args.huge_pages == "auto":
             arenas.append(("huge-page arena", ("--arena-huge-pages", "on", "--arena-handoff", "fd")))
@@ -292,6 +354,11 @@ def main() -> int:
                     )
                 lookup = bench_lookup(address, 300) if not extra else None
             print_sizes(title, rows)
+            fixed = {name: fixed_cost_us(rows, name) for name in ("get_into", "put", "shm_read")}
+            print(
+                "per-block fixed cost, 16 KiB-2 MiB (line fit): "
+                + ", ".join(f"{name} {us:.1f} us" for name, us in fixed.items())
+            )
             if clients:
                 print(
                     f"{clients['workers']} clients x {clients['block_bytes'] // MiB} MiB blocks: aggregate get_into "
@@ -300,7 +367,7 @@ def main() -> int:
                 )
             for line in verdicts(rows, clients):
                 print(f"target ({title}) {line}")
-            results[title] = {"sizes": rows, "clients": clients}
+            results[title] = {"sizes": rows, "clients": clients, "fixed_us": fixed}
             if lookup:
                 results["lookup"] = lookup
     hashing = bench_hashing(args.repeats)
