@@ -341,7 +341,13 @@ class HostStore:
             return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
 
     def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
-        """Verify each written block against its checksum and make the good ones visible."""
+        """Verify each written block against its checksum and make the good ones visible.
+
+        The checksums are computed outside the store lock, so puts of several clients
+        verify at once and no lookup or lease waits behind a put's bytes: the put is taken
+        out of the pending table first (nobody can reclaim, abort or write its slots then;
+        its slots stay allocated and its keys stay "in flight"), then verified, then its
+        good blocks are indexed under the lock."""
         with self._lock:
             pending = self._pending.pop(put_id, None)
             if pending is None:
@@ -349,29 +355,35 @@ class HostStore:
                     f"put {put_id} is unknown: never started, already finished, or reclaimed after put_ttl_ms",
                     hint="start the put again",
                 )
-            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             if len(checksums) != len(pending.slots):
+                self._pending_keys.difference_update(key for _, key, _ in pending.slots)
                 for _, _, off in pending.slots:
                     self._alloc.free(off)
                 self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
                 raise InvalidArgument(
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
+        size = pending.block_bytes
+        matches = [
+            checksum64(self._buffer[offset : offset + size]) == checksum
+            for (_, _, offset), checksum in zip(pending.slots, checksums, strict=True)
+        ]
+        with self._lock:
+            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             committed: list[bytes] = []
             failed: list[int] = []
-            for (index, key, offset), checksum in zip(pending.slots, checksums, strict=True):
-                actual = checksum64(self._buffer[offset : offset + pending.block_bytes])
-                if actual != checksum:
+            for (index, key, offset), checksum, ok in zip(pending.slots, checksums, matches, strict=True):
+                if not ok:
                     self._alloc.free(offset)
-                    self._count(pending.namespace, -pending.block_bytes)
+                    self._count(pending.namespace, -size)
                     failed.append(index)
                     continue
-                entry = Entry(key, offset, pending.block_bytes, checksum, pending.namespace)
+                entry = Entry(key, offset, size, checksum, pending.namespace)
                 self._index[key] = entry
                 self._policy.on_insert(key)
                 committed.append(key)
             self.stats.puts += len(committed)
-            self.stats.put_bytes += len(committed) * pending.block_bytes
+            self.stats.put_bytes += len(committed) * size
             self.stats.checksum_failures += len(failed)
             if committed:
                 self._emit(EventKind.STORED, committed, pending.namespace)

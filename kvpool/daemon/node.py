@@ -30,7 +30,7 @@ from kvpool.daemon.counters import TrafficCounters
 from kvpool.daemon.event_log import EventLog
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.allocator import check_block_fits
-from kvpool.storage.arena import SharedArena
+from kvpool.storage.arena import HugePagesUnavailable, SharedArena
 from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
 
@@ -54,6 +54,25 @@ class NamespaceInfo:
     spec: KVSpec
 
 
+def create_arena(config: DaemonConfig) -> SharedArena:
+    """The node's arena as ``config`` asks: a memfd handed to admitted clients or a file in
+    ``arena_dir``; on reserved huge pages with ``arena_huge_pages`` on / try ("try" falls
+    back to 4 KiB pages with a warning that says how to reserve them)."""
+    capacity, overcommit, huge = config.store.capacity_bytes, config.store.allow_overcommit, config.arena_huge_pages
+    if not config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
+        if huge == "try":
+            log.warning("arena: 4 KiB pages (--arena-huge-pages try needs --arena-handoff fd or auto)")
+        return SharedArena.create(config.arena_dir, capacity, allow_overcommit=overcommit)
+    if huge != "off":
+        try:
+            return SharedArena.create_memfd(capacity, huge_pages=True)
+        except HugePagesUnavailable as err:
+            if huge == "on":
+                raise
+            log.warning("arena: 4 KiB pages, not huge pages: %s (%s)", err.message, err.hint)
+    return SharedArena.create_memfd(capacity, allow_overcommit=overcommit)
+
+
 class PoolNode:
     def __init__(self, config: DaemonConfig, clock: Clock) -> None:
         self.config = config
@@ -62,11 +81,7 @@ class PoolNode:
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
-        overcommit = config.store.allow_overcommit
-        if config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
-            self.arena = SharedArena.create_memfd(config.store.capacity_bytes, allow_overcommit=overcommit)
-        else:
-            self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes, allow_overcommit=overcommit)
+        self.arena = create_arena(config)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._last_used_ms: dict[bytes, float] = {}  # namespace -> last call that named it
         self._ns_lock = threading.Lock()
@@ -80,7 +95,13 @@ class PoolNode:
         # a flood of Hellos must not flood the log: one line per interval, with a count
         self._registered_log = RateLimitedLog(log, REGISTER_LOG_INTERVAL_S, level=logging.INFO)
         self.store = build_node_store(config, self.arena.view, clock, self._on_event, capability_id)
-        log.info("node %s: arena %s (%d bytes)", self.node_id, self.arena.path, self.arena.capacity_bytes)
+        log.info(
+            "node %s: arena %s (%d bytes, %d-byte pages)",
+            self.node_id,
+            self.arena.path or "memfd",
+            self.arena.capacity_bytes,
+            self.arena.page_bytes,
+        )
 
     def _on_event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", /) -> None:
         """The store's events name block keys; subscribers get one event per namespace with

@@ -347,6 +347,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary: dict[str, Any] = dict(self.node.store.summary())
         summary["node_id"] = self.node.node_id
         summary["arena_path"] = self.node.arena.path
+        summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
+        summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
         summary.update(self.node.counters.summary())
