@@ -43,7 +43,7 @@ import grpc
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
-from kvpool.core.keys import BlockKeys, hashes_of, key_hash
+from kvpool.core.keys import NAMESPACE_BYTES, BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
 from kvpool.daemon.fairness import TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
@@ -96,6 +96,11 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
                     return method(self, request, context)  # operators and the cluster's own calls
                 with self.gate.admit(self._tenant_of(principal, request), cost(request), method.__name__):
                     return method(self, request, context)
+            except KVPoolError as err:
+                if method.__name__ == "Lease":  # why a reader got nothing: kvpool inspect lookup says
+                    namespace = bytes(request.namespace)[:NAMESPACE_BYTES]
+                    self.node.note_lease_refused(namespace, err.code.name, err.message)
+                raise
             finally:
                 self._current.context = self._current.principal = None
 
