@@ -21,7 +21,6 @@ from kvpool import KVSpec, PoolClient
 from kvpool.core.auth import token_sha256
 from kvpool.core.hashing import pack_hashes
 from kvpool.core.spec import Namespace
-from kvpool.daemon.cluster_local import LocalCluster
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 
 SPEC = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
@@ -282,14 +281,6 @@ def test_doctor_checks_and_says_what_to_fix(pool_daemon: DaemonHandle, tmp_path:
     done = inspect("doctor", "--config", str(broken), "--json", "--address", pool_daemon.address)
     config_check = next(c for c in json.loads(done.stdout) if c["name"] == "config")
     assert done.returncode == 1 and config_check["status"] == "fail" and "capacity_bytes" in config_check["detail"]
-
-
-@pytest.fixture
-def three_nodes(tmp_path: Path) -> Any:
-    with LocalCluster(str(tmp_path)) as cluster:
-        directory = cluster.start_directory(etcd=False)
-        nodes = [cluster.start_node(name, [directory.address], etcd=False) for name in ("node-a", "node-b", "node-c")]
-        yield directory.address, [n.address for n in nodes]
 
 
 def test_cluster_nodes_and_a_lookup_across_three_nodes(three_nodes: Any, tmp_path: Path) -> None:
