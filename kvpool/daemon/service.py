@@ -354,6 +354,10 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_path"] = self.node.arena.path
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
+        host_policy = self.node.tier_policy("host")  # the host store does not know its policy's name
+        summary["policy"] = host_policy
+        if isinstance(summary.get("tiers"), dict) and isinstance(summary["tiers"].get("host"), dict):
+            summary["tiers"]["host"].setdefault("policy", host_policy)
         summary.update(self.node.counters.summary())
         summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (fairness.py)
         summary["tenant_calls_refused"] = self.gate.refused

@@ -73,7 +73,7 @@ def test_views_stats_tiers_namespaces_nodes_blocks_hot(pool_daemon: DaemonHandle
     stats = inspect_json("stats", *a)
     assert stats["blocks"] == 4 and stats["puts"] == 4
     tiers = inspect_json("tiers", *a)
-    assert tiers["host"]["blocks"] == 4
+    assert tiers["host"]["blocks"] == 4 and tiers["host"]["policy"] == "lru"
     namespaces = inspect_json("namespaces", *a)
     assert [ns["digest"] for ns in namespaces] == [digest] and namespaces[0]["used_bytes"] == 4 * SPEC.block_bytes
     nodes = inspect_json("nodes", *a)
@@ -217,6 +217,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(pool_daemon: DaemonHandle, tm
     dead = f"127.0.0.1:{free_port()}"
     one_clear_line(inspect("stats", "--address", dead), 1, dead, "UNAVAILABLE")
     one_clear_line(inspect("events", "--address", dead), 1, dead)
+    one_clear_line(inspect("nodes", "--directory", dead), 1, f"the kvpool directory at {dead}", "kvpool directory")
     bad = tmp_path / "bad.txt"
     bad.write_text("1 2 three")
     with PoolClient.connect(pool_daemon.address, SPEC) as client:

@@ -187,3 +187,30 @@ def test_a_disk_block_the_quota_keeps_out_of_host_is_not_promoted(tmp_path: Path
         assert refused["code"] == "NOT_PROMOTED" and "quota" in refused["message"]
     finally:
         daemon.cleanup()
+
+
+def test_lookup_of_text_through_a_tokenizer_saved_on_disk(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = [f"w{i}" for i in range(64)]
+    model = tokenizers.models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]")
+    inner = tokenizers.Tokenizer(model)
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    text = " ".join(words[:40])  # 40 tokens: 2 full blocks of 16 (the rest is never hashed)
+    daemon = start_daemon()
+    try:
+        with PoolClient.connect(daemon.address, SPEC) as client:
+            hashes = client.hashes(list(range(1, 41)))  # the word-level ids of w0..w39
+            client.put(hashes[:1], blocks(1, seed=6))
+        done = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "inspect", "lookup", "--text", text, "--tokenizer",
+             str(tmp_path / "tok"), "--json", "--address", daemon.address],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert (report["blocks_total"], report["hit_blocks"], report["stop_reason"]) == (2, 1, "never_stored")
+        assert report["blocks"][0]["hash"] == hashes[0].hex()
+    finally:
+        daemon.cleanup()
