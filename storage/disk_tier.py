@@ -145,7 +145,8 @@ class DiskTier:
             self._pool.shutdown(wait=False)
             self._files.close()
             raise
-        parts = DiskParts(self._st, self._db, self._files, self._pool, self._delete, self._report_gone, self._report_failed
+        parts = DiskParts(
+            self._st, self._db, self._files, self._pool, self._delete, self._report_gone, self._report_failed
         )
         self._writer = DiskWriter(parts, self._scheme_raw, queue_blocks)
         self._reader = DiskReader(parts)

@@ -6,8 +6,8 @@ holds it (every holder and the fastest tier are listed), and the chain stops at 
 block no node holds. That block's reason is the most telling one any node gives (a put in
 flight, then evicted, a checksum failure, an I/O error or a removal beats "other namespace",
 which beats "never stored"), and ``per_node`` keeps every node's own answer; a node whose
-latest lease of the namespace was refused is listed in ``lease_refused`` with why. A member that does not answer, or does not know
-the namespace, is listed in ``skipped`` with why.
+latest lease of the namespace was refused is listed in ``lease_refused`` with why. A member
+that does not answer, or does not know the namespace, is listed in ``skipped`` with why.
 """
 
 from __future__ import annotations

@@ -128,12 +128,12 @@ def test_put_in_flight_max_leases_and_an_oversized_batch(tmp_path: Path) -> None
 
 
 def test_tenant_busy_and_permission_denied_are_the_reasons_given(tmp_path: Path) -> None:
-    ns_a = Namespace(SPEC, salt=b"a").digest()
+    ns_a, ns_b = Namespace(SPEC, salt=b"a").digest(), Namespace(SPEC, salt=b"b").digest()
     creds = tmp_path / "credentials.json"
     creds.write_text(json.dumps({
         "tenants": [
             {"name": "a", "token_sha256": token_sha256(TOKEN_A), "namespaces": [ns_a.hex()]},
-            {"name": "b", "token_sha256": token_sha256(TOKEN_B), "namespaces": [Namespace(SPEC, salt=b"b").digest().hex()]},
+            {"name": "b", "token_sha256": token_sha256(TOKEN_B), "namespaces": [ns_b.hex()]},
         ],
         "admins": [{"name": "ops", "token_sha256": token_sha256(TOKEN_ADMIN)}],
     }))  # fmt: skip

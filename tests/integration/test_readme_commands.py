@@ -121,7 +121,9 @@ def run_in(cwd: Path, command: str, address: str) -> subprocess.CompletedProcess
 
 
 @pytest.mark.timeout(900)
-def test_the_readme_commands_run_from_a_fresh_directory(readme_daemon: tuple[DaemonHandle, str], tmp_path: Path) -> None:
+def test_the_readme_commands_run_from_a_fresh_directory(
+    readme_daemon: tuple[DaemonHandle, str], tmp_path: Path
+) -> None:
     daemon, metrics = readme_daemon
     fresh = tmp_path / "fresh"
     fresh.mkdir()
