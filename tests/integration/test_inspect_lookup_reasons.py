@@ -61,13 +61,16 @@ def lease(address: str, namespace: bytes, hashes: list[bytes], token: str = "") 
             return err.code()
 
 
+def disk_tier(disk_dir: Path) -> tuple[str, ...]:
+    """Daemon flags of a 64 MiB disk tier in ``disk_dir`` (8 MiB slab files, 256 KiB host slabs)."""
+    return ("--slab-bytes", "262144", "--disk-dir", str(disk_dir), "--disk-capacity-bytes", str(64 << 20),
+            "--disk-slab-file-bytes", str(8 << 20))  # fmt: skip
+
+
 @pytest.mark.timeout(180)
 def test_a_block_damaged_on_disk_is_a_checksum_failure_at_tier_disk(tmp_path: Path) -> None:
     disk_dir = tmp_path / "disk"
-    daemon = start_daemon(
-        "--slab-bytes", "262144", "--disk-dir", str(disk_dir), "--disk-capacity-bytes", str(64 << 20),
-        "--disk-slab-file-bytes", str(8 << 20), capacity="1MiB",
-    )  # fmt: skip
+    daemon = start_daemon(*disk_tier(disk_dir), capacity="1MiB")
     try:
         with PoolClient.connect(daemon.address, SPEC) as client:
             hashes = client.hashes(np.arange(200 * SPEC.block_tokens))
@@ -169,10 +172,7 @@ def test_tenant_busy_and_permission_denied_are_the_reasons_given(tmp_path: Path)
 @pytest.mark.timeout(180)
 def test_a_disk_block_the_quota_keeps_out_of_host_is_not_promoted(tmp_path: Path) -> None:
     block_bytes = SPEC.block_bytes
-    daemon = start_daemon(
-        "--slab-bytes", "262144", "--disk-dir", str(tmp_path / "disk"), "--disk-capacity-bytes", str(64 << 20),
-        "--disk-slab-file-bytes", str(8 << 20), "--namespace-quota-bytes", str(4 * block_bytes),
-    )  # fmt: skip
+    daemon = start_daemon(*disk_tier(tmp_path / "disk"), "--namespace-quota-bytes", str(4 * block_bytes))
     try:
         with PoolClient.connect(daemon.address, SPEC) as client:
             hashes = client.hashes(list(range(16 * 8)))
