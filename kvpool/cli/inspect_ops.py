@@ -70,7 +70,13 @@ def do_namespaces(args: argparse.Namespace) -> int:
         return emit(args, all_namespaces(admin), render.namespaces_view)
 
 
+def require_limit(args: argparse.Namespace) -> None:
+    if args.limit < 0:
+        raise BadInput(f"--limit must be >= 0 (0 = the default), got {args.limit}")
+
+
 def do_blocks(args: argparse.Namespace) -> int:
+    require_limit(args)
     with open_admin(args, address_of(args)) as admin:
         last_seq, hashes = admin.snapshot()
     shown = [h.hex() for h in hashes[: max(0, args.limit)]]
@@ -121,6 +127,7 @@ def do_events(args: argparse.Namespace) -> int:
 
 
 def do_hot(args: argparse.Namespace) -> int:
+    require_limit(args)
     with open_admin(args, address_of(args)) as admin:
         return emit(args, admin.hot(args.limit), render.hot_view)
 

@@ -188,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpool sim: --capacity-tokens: {exc}", file=sys.stderr)
         return 2
+    unwritable = _unwritable_outputs(args)  # before the replays, not after minutes of them
+    if unwritable:
+        print(f"kvpool sim: {unwritable}", file=sys.stderr)
+        return 2
     try:
         if args.policy == "all-pd":
             names = list(PD_POLICIES)
@@ -290,3 +294,19 @@ def _capacity_output(args: argparse.Namespace, curve: dict[str, object], request
         print(sim_capacity.table_text(curve))
         print(f"capacity curve: {args.capacity_curve}")
     return 0
+
+
+def _unwritable_outputs(args: argparse.Namespace) -> str:
+    """Why --plots DIR / --capacity-curve FILE / --write-trace FILE cannot be written, or ""."""
+    if args.plots:
+        try:
+            pathlib.Path(args.plots).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--plots {args.plots}: cannot create the directory ({exc.strerror})"
+    from kvpool.cli.paths import unwritable_file
+
+    for flag, path in (("--capacity-curve", args.capacity_curve), ("--write-trace", args.write_trace)):
+        problem = unwritable_file(flag, path) if path else ""
+        if problem:
+            return problem
+    return ""

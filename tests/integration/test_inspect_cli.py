@@ -229,6 +229,10 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(pool_daemon: DaemonHandle, tm
     one_clear_line(inspect("lookup", "--text", "hello", *a), 2, "--tokenizer")
     one_clear_line(inspect("evict", "--hashes", "zz", *a), 2, "--hashes")
     one_clear_line(inspect("pin", "--hashes", "00" * 16, "--ttl-ms", "0", *a), 2, "--ttl-ms")
+    one_clear_line(inspect("hot", "--limit", "-5", *a), 2, "--limit must be >= 0")
+    one_clear_line(inspect("blocks", "--limit", "-1", *a), 2, "--limit must be >= 0")
+    one_clear_line(inspect("hitrate", "--plot", str(tmp_path), *a), 2, "is a directory")
+    one_clear_line(inspect("hitrate", "--plot", str(tmp_path / "no" / "x.png"), *a), 2, "no directory")
 
 
 TOKEN_ADMIN = "kvp_inspect-admin-token"

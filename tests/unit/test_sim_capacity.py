@@ -47,3 +47,7 @@ def test_sim_draws_the_capacity_curve(tmp_path: pathlib.Path, capsys: pytest.Cap
     rc = main([*base, "--capacity-curve", str(png), "--capacity-tokens", "lots", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--capacity-tokens" in err and "'lots'" in err
+    for where, why in ((tmp_path, "is a directory"), (tmp_path / "no" / "c.png", "no directory")):
+        assert main([*base, "--capacity-curve", str(where), "--no-progress"]) == 2  # refused before any replay
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err
