@@ -104,7 +104,6 @@ def view(samples: list[dict[str, Any]]) -> Any:
 
 def do_hitrate(args: argparse.Namespace) -> int:
     from kvpool.cli.inspect_ops import emit
-
     from kvpool.cli.paths import unwritable_file
 
     problem = unwritable_file("--plot", args.plot) if args.plot else ""
