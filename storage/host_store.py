@@ -49,11 +49,17 @@ from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 
 class EventSink(Protocol):
     """Receives a store's KV events: ``kind`` for ``keys`` of ``namespace``, and ``tier``,
-    the tier where the blocks now live ("host", "disk" or "device"). A ``HostStore`` knows
-    only its own tier and leaves ``tier`` out (so a 3-argument callable still works there);
-    a ``TieredStore`` always names it (docs/tiers.md: which events a block's moves send)."""
+    the tier where the blocks now live ("host", "disk" or "device"; for REMOVED, the tier
+    they left). A ``HostStore`` knows only its own tier and leaves ``tier`` and ``cause``
+    out (so a 3-argument callable still works there); a ``TieredStore`` always names both
+    (docs/tiers.md: which events a block's moves send). ``cause`` says why a REMOVED block
+    left when the store itself knows better than "evicted": ``"checksum_failure"`` (a
+    lower tier read it back wrong) or ``"io_error"`` (the disk failed it); "" otherwise
+    (an eviction, or whatever the caller of the store's method is doing)."""
 
-    def __call__(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", /) -> None: ...
+    def __call__(
+        self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "", /
+    ) -> None: ...
 
 
 #: called with an evicted entry and a view of its bytes before its slot is freed (demotion)
@@ -415,6 +421,18 @@ class HostStore:
                 return pending.namespace
             lease = self._leases.get(capability_id)
             return lease.entries[0].namespace if lease is not None and lease.entries else None
+
+    def put_in_flight(self, key: bytes) -> float | None:
+        """The deadline (ms, this store's clock) of a put of ``key`` started and not yet
+        committed, aborted or reclaimed, else None. Scans the pending puts (at most
+        ``max_pending_puts``): for ``kvpool inspect lookup``, not for the hot path."""
+        with self._lock:
+            if key not in self._pending_keys:
+                return None
+            for put in self._pending.values():
+                if any(k == key for _, k, _ in put.slots):
+                    return put.deadline_ms
+        return None
 
     def put_pending(self, put_id: int) -> bool:
         """Whether ``put_id`` is a put started and not yet committed, aborted or reclaimed

@@ -43,7 +43,7 @@ import grpc
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
-from kvpool.core.keys import BlockKeys, hashes_of, key_hash
+from kvpool.core.keys import NAMESPACE_BYTES, BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
 from kvpool.daemon.fairness import TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
@@ -96,6 +96,11 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
                     return method(self, request, context)  # operators and the cluster's own calls
                 with self.gate.admit(self._tenant_of(principal, request), cost(request), method.__name__):
                     return method(self, request, context)
+            except KVPoolError as err:
+                if method.__name__ == "Lease":  # why a reader got nothing: kvpool inspect lookup says
+                    namespace = bytes(request.namespace)[:NAMESPACE_BYTES]
+                    self.node.note_lease_refused(namespace, err.code.name, err.message)
+                raise
             finally:
                 self._current.context = self._current.principal = None
 
@@ -351,6 +356,10 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
+        host_policy = self.node.tier_policy("host")  # the host store does not know its policy's name
+        summary["policy"] = host_policy
+        if isinstance(summary.get("tiers"), dict) and isinstance(summary["tiers"].get("host"), dict):
+            summary["tiers"]["host"].setdefault("policy", host_policy)
         summary.update(self.node.counters.summary())
         summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (fairness.py)
         summary["tenant_calls_refused"] = self.gate.refused
