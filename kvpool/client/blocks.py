@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.core.arena_map import PutWindow
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.spec import KVSpec
-from kvpool.storage.arena import PutWindow
 
 log = logging.getLogger("kvpool.client")
 
