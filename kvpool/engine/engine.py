@@ -167,6 +167,16 @@ class Engine:
         self.waiting.append(req)
         return req
 
+    def abort(self, req: Request) -> None:
+        """Drop ``req`` (its caller went away): it leaves the queue or the batch and its pages
+        are free for the next request. A finished or unknown request is left alone."""
+        # by identity: a Request's dataclass equality compares its tensors
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        if any(r is req for r in self.running):
+            self.running = [r for r in self.running if r is not req]
+            self.allocator.free(req.pages)
+            req.pages = []
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
