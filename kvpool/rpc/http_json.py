@@ -167,7 +167,10 @@ class Worker:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(_close, items, on_end, limiter=self._pool())
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        # the content type exactly as OpenAI's servers send it (no charset: Starlette adds one
+        # to a text/* media_type, so it is set as a header)
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        return StreamingResponse(body(), headers=headers)
 
 
 def _event(obj: dict[str, Any]) -> bytes:
