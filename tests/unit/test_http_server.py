@@ -150,7 +150,7 @@ def test_a_body_that_never_arrives_is_408(served: tuple[App, HttpServer]) -> Non
 
 
 def test_a_reply_not_ready_in_time_is_504(served: tuple[App, HttpServer]) -> None:
-    app, server = served
+    _, server = served
     conn = connect(server)
     conn.request("GET", "/slow")
     resp = conn.getresponse()
