@@ -45,7 +45,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvpool.connectors.pool_api import BlockPool, pool_spec
-from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, Unavailable
 from kvpool.core.supervisor import Supervisor
 from kvpool.core.words import WordTokenizer
 from kvpool.engine.engine import ROLES, Engine, EngineConfig, Request, SamplingParams
@@ -221,8 +221,8 @@ def engine_app(
     def whole(job: _Job) -> Response:
         out: list[int] = []
         while (item := job.tokens.get()) is not None:
-            if isinstance(item, BaseException):
-                return error(500, item)
+            if isinstance(item, BaseException):  # a request the engine refused is the caller's
+                return error(400 if isinstance(item, (InvalidArgument, CapacityExhausted)) else 500, item)
             out.extend(item)
         return json_reply(200, chunk(job, out, "length"))
 

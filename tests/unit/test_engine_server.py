@@ -87,3 +87,19 @@ def test_a_client_gone_mid_stream_frees_its_pages(engine_server: tuple[EngineLoo
     wait_until(lambda: not engine.running and not engine.waiting, "the engine dropped the abandoned request")
     assert engine.allocator.free_pages == free_at_start
     assert engine.finished == []  # it was dropped, never ran to its 4000 tokens
+
+
+def test_a_request_larger_than_the_engine_is_refused_and_the_engine_serves_on(
+    engine_server: tuple[EngineLoop, HttpServer],
+) -> None:
+    loop, server = engine_server
+    conn = connect(server)
+    too_big = {"prompt": [t % 200 for t in range(400)], "max_tokens": 4096}  # 1124 pages of 4 tokens
+    conn.request("POST", "/v1/completions", json.dumps(too_big))
+    resp = conn.getresponse()
+    assert resp.status == 400
+    assert json.loads(resp.read())["error"]["type"] == "CapacityExhausted"
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and len(json.loads(resp.read())["choices"][0]["token_ids"]) == 2
+    assert loop.error is None
