@@ -5,12 +5,19 @@ thread it started is alive, so nothing runs on against resources the owner then 
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
 
 import torch
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from kvpool.connectors.pool_api import InProcessPool
 from kvpool.connectors.vllm import BackgroundSaver, ConnectorStats
@@ -19,6 +26,7 @@ from kvpool.core.events import KVEvent
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.core.supervisor import Supervisor
 from kvpool.core.words import WordTokenizer
+from kvpool.rpc.http_json import HttpLimits, HttpServer, Worker
 from kvpool.rpc.metrics import MetricsServer
 from kvpool.scheduler.cluster import ClusterSpec
 from kvpool.scheduler.cost_model import get_preset
@@ -123,3 +131,59 @@ def test_the_router_http_and_front_door_threads_are_joined_by_stop() -> None:
     front.stop()
     names = ("kvpool-router-http", "kvpool-openai-http", "kvpool-openai-health", "AnyIO worker thread")
     assert alive(*names) == set()
+
+
+class SlowEngine:
+    """An engine's ``/v1/completions`` stream that goes on until its client lets go."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+        worker = Worker(HttpLimits())
+
+        def tokens() -> Iterator[dict[str, object]]:
+            try:
+                for i in range(100_000):
+                    yield {"choices": [{"index": 0, "text": "w", "token_ids": [i % 50]}]}
+                    self.closed.wait(0.01)  # pacing: an engine makes a token now and then
+            finally:
+                self.closed.set()
+
+        async def completions(request: Request) -> Response:
+            return worker.events(tokens())
+
+        self.server = HttpServer(
+            Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]),
+            "127.0.0.1:0",
+            HttpLimits(),
+            "fake-engine",
+        )
+
+
+def test_a_client_gone_from_the_front_door_lets_go_of_the_engine_stream() -> None:
+    engine = SlowEngine()
+    engine.server.start()
+    policy = SplitPolicy(10_000)  # every prompt prefills on the decode instance
+    core = router_core(policy, decode=1)
+    instances = [Instance(name, f"http://{engine.server.address}") for name in core.names]
+    door = FrontDoor(core, policy, instances, WordTokenizer.for_vocab(64), "m")
+    front = FrontDoorServer(door, "127.0.0.1:0")
+    front.start()
+    try:
+        host, _, port = front.address.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "w1 w2", "max_tokens": 4000, "stream": True}))
+        resp = conn.getresponse()
+        assert resp.status == 200
+        got = 0
+        for raw in resp:
+            got += raw.startswith(b"data:")
+            if got == 3:
+                break
+        assert door.stats()["active"]["decode-0"] == 1
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert engine.closed.wait(WAIT_S)  # the front door closed its stream from the engine
+    finally:
+        front.stop()
+        engine.server.stop()
+    assert door.stats()["active"]["decode-0"] == 0
