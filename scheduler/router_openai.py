@@ -32,23 +32,27 @@ and skipped by ``SplitPolicy`` until its ``/health`` answers again; other reques
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, Unavailable
 from kvpool.core.words import WordTokenizer, render_chat
-from kvpool.rpc.http_json import JsonHandler
+from kvpool.rpc.http_json import HttpLimits, HttpServer, StreamFailed, Worker, http_status, json_reply, read_json
 from kvpool.scheduler.cluster import ClusterState, Decision, RouteRequest
 from kvpool.scheduler.policy_base import Policy, explain
 from kvpool.scheduler.router_core import RouterCore, WorkerLoad
@@ -165,6 +169,8 @@ def stream(
                 yield event
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise EngineUnavailable(f"{role} instance {inst.name} ({inst.url}) failed mid-stream: {exc!r}") from None
+        finally:
+            resp.close()  # also when the caller lets go early (its client went away): the engine sees it
         raise EngineUnavailable(f"{role} instance {inst.name} ({inst.url}) ended the stream without [DONE]")
 
     return events()
@@ -372,124 +378,126 @@ def _chunk(door: FrontDoor, job: Job, rid: str, text: str, finish: str | None, f
     return obj
 
 
-def handler_for(door: FrontDoor, fallback: Callable[[BaseHTTPRequestHandler], bool] | None = None) -> type:
-    """The HTTP handler class; ``fallback`` gets requests this one does not know (the hook
-    through which other routes, e.g. a /metrics page, join the same server)."""
+# a non-streamed reply waits for the whole completion: as long as one engine call may take
+FRONT_DOOR_LIMITS = HttpLimits(request_timeout_s=ENGINE_TIMEOUT_S)
 
-    class Handler(JsonHandler):
-        server_version = "kvpool-router-openai/1"
 
-        def _error(self, err: KVPoolError) -> None:
-            status = 503 if isinstance(err, Unavailable) else 404 if isinstance(err, NotFound) else 400
-            kind = "engine_unavailable" if isinstance(err, Unavailable) else "invalid_request_error"
-            self.send_json(status, {"error": {"message": str(err), "type": kind, "code": status}})
+def front_door_app(door: FrontDoor, limits: HttpLimits = FRONT_DOOR_LIMITS) -> Starlette:
+    """The OpenAI routes as a Starlette app; more routes (a /metrics page) join by adding
+    to its ``routes`` before the catch-all, or by mounting it under another app."""
+    worker = Worker(limits)
 
-        def do_GET(self) -> None:
-            if self.path == "/v1/models":
-                self.send_json(200, door.models())
-            elif self.path == "/v1/stats":
-                self.send_json(200, {**door.stats(), "router": door.core.stats()})
-            elif self.path == "/health":
-                self.send_json(200, {"ok": True})
-            elif fallback is None or not fallback(self):
-                self._error(NotFound(f"no route GET {self.path}", hint="GET /v1/models"))
+    def error(err: KVPoolError) -> Response:
+        status = 503 if isinstance(err, Unavailable) else 404 if isinstance(err, NotFound) else 400
+        status = http_status(err, status)
+        kind = "engine_unavailable" if isinstance(err, Unavailable) else "invalid_request_error"
+        return json_reply(status, {"error": {"message": str(err), "type": kind, "code": status}})
 
-        def do_POST(self) -> None:
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                if fallback is None or not fallback(self):
-                    self._error(NotFound(f"no route POST {self.path}", hint="POST /v1/completions"))
-                return
-            chat = self.path == "/v1/chat/completions"
+    def replies(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
             try:
-                job = door.parse(self.read_json(), chat)
-                tokens = door.serve(job)
-                # the first chunk before any header: a dead engine is still a clean 503
-                first = next(tokens, None)
+                return await endpoint(request)
             except KVPoolError as err:
-                self._error(err)
-                return
+                return error(err)
             except (ValueError, TypeError) as exc:
-                self._error(InvalidArgument(f"bad request: {exc}"))
-                return
-            rid = door.new_id(chat)
-            if job.stream:
-                self._stream(job, rid, first, tokens)
-            else:
-                self._whole(job, rid, first, tokens)
+                return error(InvalidArgument(f"bad request: {exc}"))
 
-        def _whole(self, job: Job, rid: str, first: Any, rest: Iterator[tuple[list[int], dict[str, Any]]]) -> None:
-            ids: list[int] = []
-            info: dict[str, Any] = {}
-            try:
-                for new, latest in itertools.chain([first] if first else [], rest):
-                    ids.extend(new)
-                    info = latest
-            except KVPoolError as err:
-                self._error(err)
-                return
-            text = door.tokenizer.decode(ids)
-            obj: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": door.model_name}
-            usage = {"prompt_tokens": len(job.token_ids), "completion_tokens": len(ids)}
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            if job.chat:
-                message = {"role": "assistant", "content": text}
-                obj.update(
-                    object="chat.completion", choices=[{"index": 0, "message": message, "finish_reason": "length"}]
-                )
-            else:
-                obj.update(object="text_completion", choices=[{"index": 0, "text": text, "finish_reason": "length"}])
-            self.send_json(200, {**obj, "usage": usage, "kvpool": {**info, "token_ids": ids}})
+        return run
 
-        def _stream(self, job: Job, rid: str, first: Any, rest: Iterator[tuple[list[int], dict[str, Any]]]) -> None:
-            self.start_events()
-            sent = 0
-            info: dict[str, Any] = {}
-            try:
-                for new, info in itertools.chain([first] if first else [], rest):
-                    if not new:
-                        continue
-                    text = ("" if sent == 0 else " ") + door.tokenizer.decode(new)
-                    self.send_event(
-                        {
-                            **_chunk(door, job, rid, text, None, sent == 0),
-                            "kvpool": {"token_ids": new, "decode": info.get("decode")},
-                        }
-                    )
-                    sent += len(new)
-                final = _chunk(door, job, rid, "", "length", False)
-                self.send_event({**final, "kvpool": info, "usage": {"prompt_tokens": len(job.token_ids)}})
-                self.end_events()
-            except KVPoolError as err:
-                self.send_event({"error": {"message": str(err), "type": "engine_unavailable", "code": 503}})
-            except OSError:  # the client went away: let go of the engine's stream now
-                close = getattr(rest, "close", None)
-                if close is not None:
-                    close()
-                return
-            self.wfile.flush()
+    async def completions(request: Request) -> Response:
+        chat = request.url.path == "/v1/chat/completions"
+        job = door.parse(await read_json(request, limits), chat)
+        tokens = door.serve(job)
+        # the first chunk before any header: a dead engine is still a clean 503
+        first = await worker.run(lambda: next(tokens, None))
+        chunks = itertools.chain([first] if first else [], tokens)
+        rid = door.new_id(chat)
+        if job.stream:
+            return worker.events(_events(door, job, rid, chunks), on_end=getattr(tokens, "close", None))
+        try:
+            return json_reply(200, await worker.run(lambda: _whole(door, job, rid, chunks)))
+        finally:
+            if isinstance(tokens, Generator):
+                with contextlib.suppress(ValueError):  # still running in a thread past its timeout
+                    tokens.close()
 
-    return Handler
+    async def get(request: Request) -> Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return json_reply(200, door.models())
+        if path == "/v1/stats":
+            return json_reply(200, {**door.stats(), "router": door.core.stats()})
+        if path == "/health":
+            return json_reply(200, {"ok": True})
+        raise NotFound(f"no route GET {path}", hint="GET /v1/models")
+
+    async def no_route(request: Request) -> Response:
+        raise NotFound(f"no route POST {request.url.path}", hint="POST /v1/completions")
+
+    routes = [
+        Route("/v1/completions", replies(completions), methods=["POST"]),
+        Route("/v1/chat/completions", replies(completions), methods=["POST"]),
+        Route("/{path:path}", replies(get), methods=["GET"]),
+        Route("/{path:path}", replies(no_route), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+Chunks = Iterator[tuple[list[int], dict[str, Any]]]
+
+
+def _whole(door: FrontDoor, job: Job, rid: str, chunks: Chunks) -> dict[str, Any]:
+    ids: list[int] = []
+    info: dict[str, Any] = {}
+    for new, latest in chunks:
+        ids.extend(new)
+        info = latest
+    text = door.tokenizer.decode(ids)
+    obj: dict[str, Any] = {"id": rid, "created": int(time.time()), "model": door.model_name}
+    usage = {"prompt_tokens": len(job.token_ids), "completion_tokens": len(ids)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if job.chat:
+        message = {"role": "assistant", "content": text}
+        obj.update(object="chat.completion", choices=[{"index": 0, "message": message, "finish_reason": "length"}])
+    else:
+        obj.update(object="text_completion", choices=[{"index": 0, "text": text, "finish_reason": "length"}])
+    return {**obj, "usage": usage, "kvpool": {**info, "token_ids": ids}}
+
+
+def _events(door: FrontDoor, job: Job, rid: str, chunks: Chunks) -> Iterator[dict[str, Any]]:
+    """The SSE events of a streamed reply; an engine failure mid-stream is one ``error``
+    event and the end of the stream (no ``[DONE]``)."""
+    sent = 0
+    info: dict[str, Any] = {}
+    try:
+        for new, info in chunks:
+            if not new:
+                continue
+            text = ("" if sent == 0 else " ") + door.tokenizer.decode(new)
+            chunk = _chunk(door, job, rid, text, None, sent == 0)
+            yield {**chunk, "kvpool": {"token_ids": new, "decode": info.get("decode")}}
+            sent += len(new)
+    except KVPoolError as err:
+        raise StreamFailed({"error": {"message": str(err), "type": "engine_unavailable", "code": 503}}) from None
+    final = _chunk(door, job, rid, "", "length", False)
+    yield {**final, "kvpool": info, "usage": {"prompt_tokens": len(job.token_ids)}}
 
 
 class FrontDoorServer:
-    """The front door's HTTP server plus the thread that brings downed instances back."""
+    """The front door's HTTP server plus the thread that brings downed instances back; both
+    are joined by ``stop``."""
 
-    def __init__(self, door: FrontDoor, listen: str) -> None:
+    def __init__(self, door: FrontDoor, listen: str, limits: HttpLimits = FRONT_DOOR_LIMITS) -> None:
         self.door = door
-        host, _, port = listen.rpartition(":")
-        self._httpd = ThreadingHTTPServer((host, int(port)), handler_for(door))
-        self._httpd.daemon_threads = True
-        self.address = f"{host}:{self._httpd.server_address[1]}"
+        self._http = HttpServer(front_door_app(door, limits), listen, limits, "openai")
+        self.address = self._http.address
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._health: threading.Thread | None = None
 
     def start(self) -> None:
-        self._threads = [
-            threading.Thread(target=self._httpd.serve_forever, name="openai-http", daemon=True),
-            threading.Thread(target=self._health_loop, name="openai-health", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._http.start()
+        self._health = threading.Thread(target=self._health_loop, name="kvpool-openai-health", daemon=True)
+        self._health.start()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(HEALTH_INTERVAL_S):
@@ -500,10 +508,9 @@ class FrontDoorServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        for t in self._threads:
-            t.join(5)
+        self._http.stop()
+        if self._health is not None:
+            self._health.join(5)
 
 
-__all__ = ["EngineUnavailable", "FrontDoor", "FrontDoorServer", "Instance", "SplitPolicy", "handler_for"]
+__all__ = ["EngineUnavailable", "FrontDoor", "FrontDoorServer", "Instance", "SplitPolicy", "front_door_app"]

@@ -1,7 +1,7 @@
 """The router daemon's transports: gRPC (``kvpool.router.v1.Router``) and a small
 HTTP/JSON endpoint, both over one ``RouterCore``, both bound to loopback by default.
 
-HTTP (stdlib ``http.server``, threaded):
+HTTP (Starlette on uvicorn, ``kvpool.rpc.http_json``: body, concurrency and time limits):
   POST /route   {"token_ids": [...]} or {"hashes": ["hex", ...], "input_tokens": n},
                 "output_tokens": m, "slo": {"ttft_ms": .., "tpot_ms": ..}   -> decision
   POST /report  {"instance": "prefill-0", "queue_ms": .., ...}               -> {}
@@ -12,22 +12,24 @@ Errors come back as {"error": CODE, "message", "hint"} with a 4xx/5xx status.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from kvpool.core.errors import ErrorCode, InvalidArgument, KVPoolError, NotFound
 from kvpool.core.hashing import unpack_hashes
 from kvpool.proto import router_pb2, router_pb2_grpc
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.errors import typed_handler
-from kvpool.rpc.http_json import read_json_body
+from kvpool.rpc.http_json import HttpLimits, HttpServer, Worker, http_status, json_reply, read_json
 from kvpool.rpc.metrics import ServiceMetrics, exposition
 from kvpool.scheduler.cluster import Slo
 from kvpool.scheduler.router_core import RouterCore, RouteResult, WorkerLoad
@@ -36,6 +38,8 @@ from kvpool.scheduler.router_metrics import HttpMetrics, RouterCollector
 log = logging.getLogger(__name__)
 
 _HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNAVAILABLE: 503}
+# a /route body carries a prompt's token ids or hashes: room for a long context
+ROUTER_HTTP_LIMITS = HttpLimits(max_body_bytes=64 << 20, request_timeout_s=30.0)
 
 
 def _slo(core: RouterCore, ttft_ms: float, tpot_ms: float) -> Slo:
@@ -97,92 +101,90 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.StatsReply(**self.core.stats())  # type: ignore[arg-type]
 
 
-def _handler_for(core: RouterCore, metrics: ServiceMetrics, http_metrics: HttpMetrics) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "kvpool-router/1"
-        _started = 0.0
+def http_app(core: RouterCore, metrics: ServiceMetrics, http_metrics: HttpMetrics, limits: HttpLimits) -> Starlette:
+    """The router's HTTP endpoint (module docstring) as a Starlette app."""
+    worker = Worker(limits)
 
-        def send_response(self, code: int, message: str | None = None) -> None:
-            super().send_response(code, message)
-            http_metrics.observe(getattr(self, "path", ""), code, time.perf_counter() - self._started)
+    def error(err: KVPoolError) -> Response:
+        status = http_status(err, _HTTP_STATUS.get(err.code, 500))
+        return json_reply(status, {"error": err.code.wire_name, "message": err.message, "hint": err.hint})
 
-        def parse_request(self) -> bool:
-            self._started = time.perf_counter()
-            return super().parse_request()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http: " + format, *args)
-
-        def _send(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, err: KVPoolError) -> None:
-            self._send(
-                _HTTP_STATUS.get(err.code, 500), {"error": err.code.wire_name, "message": err.message, "hint": err.hint}
-            )
-
-        def _body(self) -> dict[str, Any]:
-            return read_json_body(self, 64 << 20)
-
-        def do_GET(self) -> None:
-            if self.path == "/stats":
-                self._send(200, core.stats())
-            elif self.path == "/metrics":
-                body, content_type = exposition(metrics.registry)
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            else:
-                self._error(NotFound(f"no route GET {self.path}", hint="GET /stats or GET /metrics"))
-
-        def do_POST(self) -> None:
+    def timed(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            started = time.perf_counter()
             try:
-                body = self._body()
-                if self.path == "/route":
-                    hashes = [bytes.fromhex(h) for h in body.get("hashes", [])] or None
-                    slo_obj = body.get("slo") or {}
-                    slo = _slo(core, float(slo_obj.get("ttft_ms", 0)), float(slo_obj.get("tpot_ms", 0)))
-                    req = core.request_from(
-                        body.get("token_ids") or None,
-                        hashes,
-                        int(body.get("input_tokens", 0)),
-                        int(body.get("output_tokens", 0)),
-                        slo,
-                        int(body.get("request_id", 0)),
-                    )
-                    self._send(200, result_to_dict(core.route(req)))
-                elif self.path == "/report":
-                    fields = {k: body[k] for k in WorkerLoad.__dataclass_fields__ if k in body}
-                    core.report(WorkerLoad(**fields))
-                    self._send(200, {})
-                else:
-                    raise NotFound(f"no route POST {self.path}", hint="POST /route or /report")
+                reply = await endpoint(request)
             except KVPoolError as err:
-                self._error(err)
+                reply = error(err)
             except (ValueError, TypeError) as exc:
-                self._error(InvalidArgument(f"bad request: {exc}"))
+                reply = error(InvalidArgument(f"bad request: {exc}"))
+            http_metrics.observe(request.url.path, reply.status_code, time.perf_counter() - started)
+            return reply
 
-    return Handler
+        return run
+
+    def route(body: dict[str, Any]) -> dict[str, Any]:
+        hashes = [bytes.fromhex(h) for h in body.get("hashes", [])] or None
+        slo_obj = body.get("slo") or {}
+        slo = _slo(core, float(slo_obj.get("ttft_ms", 0)), float(slo_obj.get("tpot_ms", 0)))
+        req = core.request_from(
+            body.get("token_ids") or None,
+            hashes,
+            int(body.get("input_tokens", 0)),
+            int(body.get("output_tokens", 0)),
+            slo,
+            int(body.get("request_id", 0)),
+        )
+        return result_to_dict(core.route(req))
+
+    async def post_route(request: Request) -> Response:
+        body = await read_json(request, limits)
+        return json_reply(200, await worker.run(lambda: route(body)))
+
+    async def post_report(request: Request) -> Response:
+        body = await read_json(request, limits)
+        fields = {k: body[k] for k in WorkerLoad.__dataclass_fields__ if k in body}
+        await worker.run(lambda: core.report(WorkerLoad(**fields)))
+        return json_reply(200, {})
+
+    async def get_stats(request: Request) -> Response:
+        return json_reply(200, await worker.run(core.stats))
+
+    async def get_metrics(request: Request) -> Response:
+        body, content_type = await worker.run(lambda: exposition(metrics.registry))
+        return Response(body, media_type=content_type)
+
+    async def no_route(request: Request) -> Response:
+        hint = "GET /stats or GET /metrics" if request.method == "GET" else "POST /route or /report"
+        raise NotFound(f"no route {request.method} {request.url.path}", hint=hint)
+
+    routes = [
+        Route("/route", timed(post_route), methods=["POST"]),
+        Route("/report", timed(post_report), methods=["POST"]),
+        Route("/stats", timed(get_stats), methods=["GET"]),
+        Route("/metrics", timed(get_metrics), methods=["GET"]),
+        Route("/{path:path}", timed(no_route), methods=["GET", "POST"]),
+    ]
+    return Starlette(routes=routes)
 
 
 class RouterServer:
-    """gRPC + HTTP over one core. ``start`` binds (port 0 = pick a free one)."""
+    """gRPC + HTTP over one core. The constructor binds (port 0 = pick a free one);
+    ``start`` serves, ``stop`` stops both and joins the HTTP server's thread."""
 
     def __init__(
-        self, core: RouterCore, grpc_listen: str = "127.0.0.1:7460", http_listen: str | None = None, workers: int = 8
+        self,
+        core: RouterCore,
+        grpc_listen: str = "127.0.0.1:7460",
+        http_listen: str | None = None,
+        workers: int = 8,
+        http_limits: HttpLimits = ROUTER_HTTP_LIMITS,
     ) -> None:
         self.core = core
         self.metrics = ServiceMetrics(RouterCollector(core.stats), "router")
         self._http_metrics = HttpMetrics(self.metrics.registry)
         self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvpool-router-rpc"),
             options=server_options(4 << 20),
             interceptors=self.metrics.interceptors(True),  # /metrics is always on its HTTP listener
         )
@@ -192,27 +194,22 @@ class RouterServer:
         if self.grpc_port == 0:
             raise InvalidArgument(f"cannot bind gRPC to {grpc_listen}", hint="is the port in use?")
         self.grpc_address = f"{host}:{self.grpc_port}"
-        self._http: ThreadingHTTPServer | None = None
+        self._http: HttpServer | None = None
         self.http_address = ""
         if http_listen:
-            h_host, _, h_port = http_listen.rpartition(":")
-            self._http = ThreadingHTTPServer(
-                (h_host, int(h_port)), _handler_for(core, self.metrics, self._http_metrics)
-            )
-            self.http_address = f"{h_host}:{self._http.server_address[1]}"
-        self._http_thread: threading.Thread | None = None
+            app = http_app(core, self.metrics, self._http_metrics, http_limits)
+            self._http = HttpServer(app, http_listen, http_limits, "router")
+            self.http_address = self._http.address
 
     def start(self) -> None:
         self._grpc.start()
         if self._http is not None:
-            self._http_thread = threading.Thread(target=self._http.serve_forever, name="router-http", daemon=True)
-            self._http_thread.start()
+            self._http.start()
 
     def stop(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
         self._grpc.stop(grace=1.0).wait()
 
 
-__all__ = ["RouterServer", "RouterServicer", "result_to_dict"]
+__all__ = ["ROUTER_HTTP_LIMITS", "RouterServer", "RouterServicer", "http_app", "result_to_dict"]

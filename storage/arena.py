@@ -34,8 +34,10 @@ slower (docs/benchmarks.md). There must be enough free reserved pages for the wh
 to reserve and the daemon falls back to 4 KiB pages or refuses (``--arena-huge-pages``,
 ``tests/integration/test_arena_huge_pages.py``). ``page_bytes`` says which it got.
 
-A client's ``view`` is always a **read-only** mapping, whichever way it got the arena
-(``tests/integration/test_arena_mapping.py``). It writes only through a ``PutWindow``
+A client maps it as a ``kvpool.core.arena_map.ArenaMapping`` (this class's base, in core so
+that the client does not import storage). A client's ``view`` is always a **read-only** mapping,
+whichever way it got the arena (``tests/integration/test_arena_mapping.py``). It writes only
+through a ``PutWindow``
 (``put_window``): writable mappings of just the pages its put's slots cover, made from the
 write descriptor (the file itself, or the one a node hands a put's holder) and unmapped
 when the put's bytes are in. A stray write anywhere else, or after the put, is a SIGSEGV in
@@ -44,7 +46,6 @@ the client, never a change to another block.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import fcntl
 import logging
@@ -53,12 +54,10 @@ import os
 import pathlib
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault, Unavailable
+from kvpool.core.arena_map import ArenaMapping
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault
 
 log = logging.getLogger("kvpool.arena")
 
@@ -82,6 +81,23 @@ def available_memory_bytes(meminfo_path: str = MEMINFO_PATH) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def filesystem_free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer can still allocate on ``directory``'s filesystem
+    (``f_bavail``: root's reserve excluded, since the daemon need not run as root)."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _size(nbytes: int) -> str:
+    """'1099511627776 bytes (1.00 TiB)': the exact figure for scripts, the rounded one for people."""
+    value, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{nbytes} bytes ({value:.2f} {unit})"
 
 
 class HugePagesUnavailable(CapacityExhausted):
@@ -119,23 +135,6 @@ class HugePageRoom:
         return -(-capacity_bytes // self.page_bytes) if self.page_bytes else 0
 
 
-def filesystem_free_bytes(directory: str) -> int:
-    """Bytes an unprivileged writer can still allocate on ``directory``'s filesystem
-    (``f_bavail``: root's reserve excluded, since the daemon need not run as root)."""
-    stats = os.statvfs(directory)
-    return stats.f_bavail * stats.f_frsize
-
-
-def _size(nbytes: int) -> str:
-    """'1099511627776 bytes (1.00 TiB)': the exact figure for scripts, the rounded one for people."""
-    value, unit = float(nbytes), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if value < 1024 or unit == "PiB":
-            break
-        value /= 1024
-    return f"{nbytes} bytes ({value:.2f} {unit})"
-
-
 @dataclass(frozen=True)
 class ArenaRoom:
     """What the machine offers an arena in one directory, read once at start."""
@@ -163,31 +162,15 @@ class ArenaRoom:
         return min(limits)
 
 
-class SharedArena:
-    """A mapped shared-memory file, exposed as one flat uint8 numpy array (``view``)."""
+class SharedArena(ArenaMapping):
+    """The node's arena: a mapped shared-memory file it creates, reserves and removes; a
+    client maps it as a ``kvpool.core.arena_map.ArenaMapping`` (``attach``, ``from_fd``)."""
 
     def __init__(
         self, path: str, capacity_bytes: int, owner: bool, fd: int, mapping: mmap.mmap, write_fd: int = -1
     ) -> None:
-        """``fd``: what ``mapping`` was made from; ``write_fd``: a client's descriptor that
-        may be mapped writable for a put (``put_window``), -1 while it has none (``fd`` itself
-        when it is read-write: the client maps it read-only all the same)."""
-        self.path = path
-        self.capacity_bytes = capacity_bytes
+        super().__init__(path, capacity_bytes, fd, mapping, write_fd)
         self.owner = owner
-        self._fd = fd
-        self._write_fd = write_fd
-        self._mmap = mapping
-        self.view = np.frombuffer(mapping, dtype=np.uint8)[:capacity_bytes]
-        #: the kernel's page size of the arena's memory: 4 KiB (mmap.PAGESIZE), or the huge
-        #: page size of a hugetlb memfd (its st_blksize); put windows are made of whole pages
-        blksize = os.fstat(fd).st_blksize
-        self.page_bytes = blksize if blksize > mmap.PAGESIZE and blksize & (blksize - 1) == 0 else mmap.PAGESIZE
-
-    @property
-    def huge_pages(self) -> bool:
-        """Whether the arena is on huge pages (``page_bytes`` above the base page size)."""
-        return self.page_bytes > mmap.PAGESIZE
 
     @classmethod
     def create(
@@ -322,77 +305,10 @@ class SharedArena:
         log.info("arena: %s on %d huge pages of %s", _size(capacity_bytes), need, _size(room.page_bytes))
         return cls("", capacity_bytes, True, fd, mapping)
 
-    @classmethod
-    def from_fd(cls, fd: int, capacity_bytes: int, name: str = "") -> SharedArena:
-        """Map an arena descriptor received from the daemon read-only (the view is a
-        read-only array); takes ownership of ``fd``. ``name``: where it came from (its
-        ``path``, never unlinked: the client does not own it)."""
-        try:
-            _check_size(fd, capacity_bytes, "the arena handed over")
-            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(name, capacity_bytes, False, fd, mapping)
-
-    def adopt_write_fd(self, fd: int) -> None:
-        """Keep ``fd`` (the read-write descriptor a node handed this client for a put) for
-        this and later puts' windows; takes ownership. Nothing is mapped writable here."""
-        try:
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-                raise Unavailable("the node handed over a descriptor that is not read-write")
-            _check_size(fd, self.capacity_bytes, "the writable arena handed over")
-        except BaseException:
-            os.close(fd)
-            raise
-        if self._write_fd >= 0 and self._write_fd != self._fd:
-            os.close(self._write_fd)
-        self._write_fd = fd
-
-    @property
-    def can_write(self) -> bool:
-        """Whether this client holds a descriptor it can open put windows with."""
-        return self._write_fd >= 0
-
-    def put_window(self, offsets: Sequence[int], length: int) -> PutWindow:
-        """Writable mappings of the pages that ``[offset, offset + length)`` of each offset
-        covers, and of nothing else; close it (``with``) as soon as the bytes are in."""
-        if self._write_fd < 0:
-            raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
-        return PutWindow(self._write_fd, self.capacity_bytes, offsets, length, self.page_bytes)
-
     def read_only_fd(self) -> int:
         """A new descriptor of this arena opened O_RDONLY (through /proc/self/fd): whoever
         receives it can map it only read-only (mmap PROT_WRITE of it is EACCES)."""
         return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
-
-    @property
-    def fd(self) -> int:
-        return self._fd
-
-    @property
-    def writable(self) -> bool:
-        """Whether ``view`` is writable: only the daemon's (the owner's) is."""
-        return bool(self.view.flags.writeable)
-
-    @classmethod
-    def attach(cls, path: str, capacity_bytes: int) -> SharedArena:
-        """Map an existing arena file (a same-host client of a node without the hand-off):
-        read-only, with the file's descriptor kept for put windows."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise Unavailable(
-                f"cannot open the pool's arena {path}: {exc}",
-                hint="the client must run on the daemon's host, as a user that can read it",
-            ) from exc
-        try:
-            _check_size(fd, capacity_bytes, f"arena {path}")
-            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, capacity_bytes, False, fd, mapping, write_fd=fd)
 
     @staticmethod
     def reap_stale(directory: str, name_hint: str = "kvpool") -> list[str]:
@@ -416,120 +332,14 @@ class SharedArena:
                 pass  # another user's file, or already gone
         return removed
 
-    def region(self, offset: int, length: int) -> np.ndarray:
-        """A uint8 view of [offset, offset + length) with bounds checked."""
-        if offset < 0 or length < 0 or offset + length > self.capacity_bytes:
-            raise InvalidArgument(f"arena region [{offset}, {offset + length}) is outside 0..{self.capacity_bytes}")
-        return self.view[offset : offset + length]
-
     def close(self) -> None:
         """Unmap; the owner also removes the file. Views handed out must be dropped first."""
         if self._fd < 0:
             return
-        self.view = np.empty(0, dtype=np.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a live numpy view still exports the buffer; the mapping dies with it
-        if self._write_fd >= 0 and self._write_fd != self._fd:
-            os.close(self._write_fd)
-        self._write_fd = -1
-        os.close(self._fd)
-        self._fd = -1
+        super().close()
         if self.owner and self.path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-
-
-class PutWindow:
-    """Writable mappings of only the pages a put's slots cover (``SharedArena.put_window``).
-
-    Slots are grouped into runs of overlapping or adjacent page ranges, one ``MAP_SHARED``
-    ``PROT_WRITE`` mapping per run (``MAP_POPULATE``: one fault pass, not one per page).
-    ``window[start:stop] = src`` writes arena bytes ``[start, stop)``, which must lie in one
-    slot given at creation (``InvalidArgument`` otherwise). ``close`` unmaps everything.
-    Where a slot does not start or end on a page boundary, its first and last pages are
-    shared with its neighbours and are writable too: pages are the kernel's unit, and on a
-    huge-page arena (``page_bytes`` 2 MiB) that is every slot in the same 2 MiB.
-    """
-
-    def __init__(
-        self,
-        fd: int,
-        capacity_bytes: int,
-        offsets: Sequence[int],
-        length: int,
-        page_bytes: int = mmap.ALLOCATIONGRANULARITY,
-    ) -> None:
-        page = page_bytes
-        ranges: list[tuple[int, int]] = []
-        for offset in sorted(offsets):
-            if offset < 0 or length <= 0 or offset + length > capacity_bytes:
-                raise InvalidArgument(f"arena slot [{offset}, {offset + length}) is outside 0..{capacity_bytes}")
-            start, stop = offset - offset % page, min(-(-(offset + length) // page) * page, capacity_bytes)
-            if ranges and start <= ranges[-1][1]:
-                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], stop))
-            else:
-                ranges.append((start, stop))
-        self._starts = [start for start, _ in ranges]
-        self._runs: list[tuple[int, int, mmap.mmap, np.ndarray]] = []
-        self._slots = set(offsets)
-        self._length = length
-        try:
-            for start, stop in ranges:
-                mapping = mmap.mmap(
-                    fd,
-                    stop - start,
-                    mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                    mmap.PROT_READ | mmap.PROT_WRITE,
-                    offset=start,
-                )
-                self._runs.append((start, stop, mapping, np.frombuffer(mapping, dtype=np.uint8)))
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def mapped_bytes(self) -> int:
-        return sum(stop - start for start, stop, _, _ in self._runs)
-
-    def view_of(self, start: int, stop: int) -> np.ndarray:
-        """The writable bytes ``[start, stop)``: one slot of this put, a prefix of one, or
-        whole slots that follow one another (a run the client copies in one call);
-        ``InvalidArgument`` for anything else."""
-        start, stop = int(start), int(stop)
-        whole = (stop - start) // self._length if stop - start > self._length else 1
-        slots_ok = stop > start and all(start + k * self._length in self._slots for k in range(whole))
-        if not slots_ok or stop - start > whole * self._length:
-            raise InvalidArgument(f"arena bytes [{start}, {stop}) are not slots of this put")
-        run_start, run_stop, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
-        if stop > run_stop:  # slots in two runs are never adjacent, but say so if they are
-            raise InvalidArgument(f"arena bytes [{start}, {stop}) span two mappings of this put")
-        return view[start - run_start : stop - run_start]
-
-    def __setitem__(self, where: slice, value: np.ndarray) -> None:
-        self.view_of(where.start, where.stop)[:] = value
-
-    def close(self) -> None:
-        while self._runs:
-            _, _, mapping, view = self._runs.pop()
-            del view  # the last reference to the run's array: its buffer export ends here
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping dies with it
-
-    def __enter__(self) -> PutWindow:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _check_size(fd: int, capacity_bytes: int, what: str) -> None:
-    size = os.fstat(fd).st_size
-    if size < capacity_bytes:
-        raise Unavailable(f"{what} is {size} bytes, expected {capacity_bytes}")
 
 
 def _reserve(fd: int, path: str, capacity_bytes: int) -> None:

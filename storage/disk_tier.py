@@ -150,6 +150,7 @@ class DiskTier:
         )
         self._writer = DiskWriter(parts, self._scheme_raw, queue_blocks)
         self._reader = DiskReader(parts)
+        self._recovery: threading.Thread | None = None  # joined by close: it writes the index
         if not background_recovery:
             try:
                 self._recover()
@@ -160,7 +161,10 @@ class DiskTier:
                 self._db.close()
                 raise
         else:
-            threading.Thread(target=self._recover_in_background, name="kvpool-disk-recovery", daemon=True).start()
+            self._recovery = threading.Thread(
+                target=self._recover_in_background, name="kvpool-disk-recovery", daemon=True
+            )
+            self._recovery.start()
         if start_writer:
             self._writer.start()
 
@@ -398,7 +402,11 @@ class DiskTier:
         st = self._st
         if st.closed:
             return
-        st.recovered.wait()  # the loader reads the index: let it finish before closing it
+        # the loader reads the index and, after ``recovered`` is set, deletes the entries it
+        # dropped: join it (not only wait for the event) before closing what it uses
+        st.recovered.wait()
+        if self._recovery is not None:
+            self._recovery.join()
         if self._writer.running:
             self.flush(flush_timeout_s)
         with st.lock:

@@ -31,6 +31,7 @@ from kvpool.client.pool_client import (
     put_rows,
     put_window,
 )
+from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
@@ -38,7 +39,6 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
-from kvpool.storage.arena import SharedArena
 
 log = logging.getLogger("kvpool.client")
 T = TypeVar("T")
@@ -70,7 +70,7 @@ class AsyncPoolClient:
         self._metadata = call_metadata(token)
         self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs, aio=True)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
-        self._arena: SharedArena | None = None
+        self._arena: ArenaMapping | None = None
         self._pending_releases: list[int] = []
         self.node_id = ""
         self.max_batch_blocks = 0

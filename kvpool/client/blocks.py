@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvpool.core.arena_map import PutWindow
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.spec import KVSpec
-from kvpool.storage.arena import PutWindow
 
 log = logging.getLogger("kvpool.client")
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvpool.client.admin import PoolAdmin
 from kvpool.client.blocks import block_rows, read_rows, write_rows
+from kvpool.core.arena_map import ArenaMapping, PutWindow
 from kvpool.core.errors import InvalidArgument, KVPoolError, TenantBusy, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes
@@ -39,7 +40,6 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
-from kvpool.storage.arena import PutWindow, SharedArena
 from kvpool.transport.arena_handoff import receive_arena_fd
 
 log = logging.getLogger("kvpool.client")
@@ -83,7 +83,9 @@ def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
     )
 
 
-def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: KVSpec, token: str = "") -> SharedArena:
+def attach_arena(
+    current: ArenaMapping | None, reply: pool_pb2.HelloReply, spec: KVSpec, token: str = ""
+) -> ArenaMapping:
     """Check a Hello reply against the spec and map the node's arena read-only (again only
     if it moved: a restarted daemon has a new arena file or socket). Shared by the sync and
     async clients. A node that hands its arena out (``arena_socket``) gives this client a
@@ -97,12 +99,12 @@ def attach_arena(current: SharedArena | None, reply: pool_pb2.HelloReply, spec: 
         current.close()
     if reply.arena_socket:
         fd = receive_arena_fd(reply.arena_socket, "r", 0, token)
-        return SharedArena.from_fd(fd, reply.arena_bytes, name=reply.arena_socket)
-    return SharedArena.attach(reply.arena_path, reply.arena_bytes)
+        return ArenaMapping.from_fd(fd, reply.arena_bytes, name=reply.arena_socket)
+    return ArenaMapping.attach(reply.arena_path, reply.arena_bytes)
 
 
-def put_window(arena: SharedArena, put_id: int, offsets: Sequence[int], block_bytes: int, token: str) -> PutWindow:
-    """Writable mappings of only the slots of put ``put_id`` (``SharedArena.put_window``), to
+def put_window(arena: ArenaMapping, put_id: int, offsets: Sequence[int], block_bytes: int, token: str) -> PutWindow:
+    """Writable mappings of only the slots of put ``put_id`` (``ArenaMapping.put_window``), to
     be closed when its bytes are in. A handed-out arena's write descriptor is asked for
     once, naming the put (the node hands it only to a put's holder), and kept for later
     puts' windows; nothing outside a window is ever mapped writable in the client."""
@@ -166,7 +168,7 @@ class PoolClient:
         self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest, token=token)
-        self._arena: SharedArena | None = None  # mapped read-only; puts write through windows
+        self._arena: ArenaMapping | None = None  # mapped read-only; puts write through windows
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
         self.node_id = ""

@@ -163,9 +163,25 @@ class Engine:
             raise InvalidArgument(f"token ids must be in [0, {self.model.config.vocab_size})")
         if self.config.role == "prefill":
             params = SamplingParams(1, params.temperature, params.top_k, params.seed)
+        pages_needed = -(-(len(prompt) + params.max_new_tokens) // self.config.page_tokens)
+        if pages_needed > self.config.num_pages:  # refused here: it could never be admitted
+            raise CapacityExhausted(
+                f"request {request_id} needs {pages_needed} pages, the engine has {self.config.num_pages}",
+                hint="a shorter prompt or max_tokens, or a larger --num-pages",
+            )
         req = Request(request_id, list(prompt), params, arrival_s=self.clock_s())
         self.waiting.append(req)
         return req
+
+    def abort(self, req: Request) -> None:
+        """Drop ``req`` (its caller went away): it leaves the queue or the batch and its pages
+        are free for the next request. A finished or unknown request is left alone."""
+        # by identity: a Request's dataclass equality compares its tensors
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        if any(r is req for r in self.running):
+            self.running = [r for r in self.running if r is not req]
+            self.allocator.free(req.pages)
+            req.pages = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -16,8 +16,10 @@ Roles (``Engine``): ``prefill`` runs the prompt, stores its full blocks in the p
 the first token (vLLM ``kv_producer``); ``decode`` loads the cached prefix from the pool,
 recomputes the rest, decodes and stores nothing (``kv_consumer``); ``both`` does all of it.
 
-One thread drives the engine (``Engine`` is not thread-safe); HTTP threads hand requests to
-it through a bounded queue and read tokens back from a per-request queue. A crash of the
+One thread drives the engine (``Engine`` is not thread-safe); the HTTP server
+(``kvpool.rpc.http_json``: Starlette on uvicorn, bounded worker threads) hands requests to it
+through a bounded queue and reads tokens back from a per-request queue. A client that goes
+away mid-stream cancels its request: the engine drops it from the batch and frees its pages. A crash of the
 engine thread fails every waiting request with its error and exits the process with status
 1, so the supervisor reports it instead of a server that answers nothing.
 """
@@ -32,18 +34,23 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+from starlette.routing import Route
 
 from kvpool.connectors.pool_api import BlockPool, pool_spec
-from kvpool.core.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, Unavailable
+from kvpool.core.supervisor import Supervisor
 from kvpool.core.words import WordTokenizer
 from kvpool.engine.engine import ROLES, Engine, EngineConfig, Request, SamplingParams
 from kvpool.engine.model import ModelConfig, RefModel
-from kvpool.rpc.http_json import JsonHandler
+from kvpool.rpc.http_json import HttpLimits, HttpServer, StreamFailed, Worker, http_status, json_reply, read_json
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class EngineLoop:
         self._jobs: list[_Job] = []
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._cancelled: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -90,6 +98,10 @@ class EngineLoop:
         except queue.Full:
             raise Unavailable(f"{MAX_QUEUED_REQUESTS} requests already wait", hint="retry later") from None
         return job
+
+    def cancel(self, job: _Job) -> None:
+        """Stop generating for ``job`` (its client went away); thread-safe, a no-op once done."""
+        self._cancelled.put(job)
 
     def stored_blocks(self, req: Request) -> int:
         """Blocks of ``req``'s prompt this engine offered to the pool (those it did not load)."""
@@ -113,7 +125,19 @@ class EngineLoop:
                 job.tokens.put(exc)
             os._exit(1)
 
+    def _drop_cancelled(self) -> None:
+        while True:
+            try:
+                job = self._cancelled.get_nowait()
+            except queue.Empty:
+                return
+            if job.request is not None:
+                self.engine.abort(job.request)
+            self._jobs = [j for j in self._jobs if j is not job]
+            job.tokens.put(None)
+
     def _admit(self) -> None:
+        self._drop_cancelled()
         block = not self.engine.has_work()
         while True:
             try:
@@ -164,71 +188,79 @@ def parse_completion(body: dict[str, Any], tokenizer: WordTokenizer) -> tuple[li
     return ids, params, bool(body.get("stream"))
 
 
-def _handler(loop: EngineLoop, model_name: str, tokenizer: WordTokenizer) -> type[JsonHandler]:
-    class Handler(JsonHandler):
-        server_version = "kvpool-ref-engine/1"
+# a non-streamed reply waits for the whole completion
+ENGINE_HTTP_LIMITS = HttpLimits(request_timeout_s=600.0)
 
-        def _error(self, status: int, err: BaseException) -> None:
-            message = err.message if isinstance(err, KVPoolError) else repr(err)
-            self.send_json(status, {"error": {"message": message, "type": type(err).__name__, "code": status}})
 
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self.send_json(200 if loop.error is None else 503, {"ok": loop.error is None})
-            elif self.path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [{"id": model_name, "object": "model"}]})
-            else:
-                self.send_json(404, {"error": {"message": f"no route GET {self.path}", "code": 404}})
+def engine_app(
+    loop: EngineLoop, model_name: str, tokenizer: WordTokenizer, limits: HttpLimits = ENGINE_HTTP_LIMITS
+) -> Starlette:
+    """The engine's routes (module docstring) as a Starlette app."""
+    worker = Worker(limits)
 
-        def do_POST(self) -> None:
-            if self.path != "/v1/completions":
-                self.send_json(404, {"error": {"message": f"no route POST {self.path}", "code": 404}})
-                return
-            try:
-                ids, params, stream = parse_completion(self.read_json(), tokenizer)
-                job = loop.submit(ids, params)
-            except KVPoolError as err:
-                self._error(503 if isinstance(err, Unavailable) else 400, err)
-                return
-            except (ValueError, TypeError) as exc:
-                self._error(400, InvalidArgument(f"bad request: {exc}"))
-                return
-            (self._stream if stream else self._whole)(job)
+    def error(status: int, err: BaseException) -> Response:
+        message = err.message if isinstance(err, KVPoolError) else repr(err)
+        if isinstance(err, KVPoolError):
+            status = http_status(err, status)
+        return json_reply(status, {"error": {"message": message, "type": type(err).__name__, "code": status}})
 
-        def _chunk(self, job: _Job, ids: list[int], finish: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish}
-            obj: dict[str, Any] = {"id": job.request_id, "object": "text_completion", "model": model_name}
-            obj["created"] = int(time.time())
-            obj["choices"] = [choice]
-            if finish is not None and job.request is not None:
-                obj["kvpool"] = {
-                    "hit_tokens": job.request.hit_tokens,
-                    "prefill_tokens_run": job.request.prefill_tokens_run,
-                    "stored_blocks": loop.stored_blocks(job.request),
-                }
-                obj["usage"] = {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.request.output)}
-            return obj
+    def chunk(job: _Job, ids: list[int], finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish}
+        obj: dict[str, Any] = {"id": job.request_id, "object": "text_completion", "model": model_name}
+        obj["created"] = int(time.time())
+        obj["choices"] = [choice]
+        if finish is not None and job.request is not None:
+            obj["kvpool"] = {
+                "hit_tokens": job.request.hit_tokens,
+                "prefill_tokens_run": job.request.prefill_tokens_run,
+                "stored_blocks": loop.stored_blocks(job.request),
+            }
+            obj["usage"] = {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.request.output)}
+        return obj
 
-        def _whole(self, job: _Job) -> None:
-            out: list[int] = []
-            while (item := job.tokens.get()) is not None:
-                if isinstance(item, BaseException):
-                    self._error(500, item)
-                    return
-                out.extend(item)
-            self.send_json(200, self._chunk(job, out, "length"))
+    def whole(job: _Job) -> Response:
+        out: list[int] = []
+        while (item := job.tokens.get()) is not None:
+            if isinstance(item, BaseException):  # a request the engine refused is the caller's
+                return error(400 if isinstance(item, (InvalidArgument, CapacityExhausted)) else 500, item)
+            out.extend(item)
+        return json_reply(200, chunk(job, out, "length"))
 
-        def _stream(self, job: _Job) -> None:
-            self.start_events()
-            while (item := job.tokens.get()) is not None:
-                if isinstance(item, BaseException):
-                    self.send_event({"error": {"message": repr(item), "type": type(item).__name__}})
-                    return
-                self.send_event(self._chunk(job, item, None))
-            self.send_event(self._chunk(job, [], "length"))
-            self.end_events()
+    def events(job: _Job) -> Iterator[dict[str, Any]]:
+        while (item := job.tokens.get()) is not None:
+            if isinstance(item, BaseException):
+                raise StreamFailed({"error": {"message": repr(item), "type": type(item).__name__}})
+            yield chunk(job, item, None)
+        yield chunk(job, [], "length")
 
-    return Handler
+    async def get(request: HttpRequest) -> Response:
+        path = request.url.path
+        if path == "/health":
+            return json_reply(200 if loop.error is None else 503, {"ok": loop.error is None})
+        if path == "/v1/models":
+            return json_reply(200, {"object": "list", "data": [{"id": model_name, "object": "model"}]})
+        return json_reply(404, {"error": {"message": f"no route GET {path}", "code": 404}})
+
+    async def post(request: HttpRequest) -> Response:
+        if request.url.path != "/v1/completions":
+            return json_reply(404, {"error": {"message": f"no route POST {request.url.path}", "code": 404}})
+        try:
+            ids, params, stream = parse_completion(await read_json(request, limits), tokenizer)
+            job = loop.submit(ids, params)
+        except KVPoolError as err:
+            return error(503 if isinstance(err, Unavailable) else 400, err)
+        except (ValueError, TypeError) as exc:
+            return error(400, InvalidArgument(f"bad request: {exc}"))
+        if stream:  # the client gone mid-stream: the engine stops generating for it
+            return worker.events(events(job), on_end=lambda: loop.cancel(job))
+        try:
+            return await worker.run(lambda: whole(job))
+        except KVPoolError as err:
+            loop.cancel(job)
+            return error(504, err)
+
+    routes = [Route("/{path:path}", get, methods=["GET"]), Route("/{path:path}", post, methods=["POST"])]
+    return Starlette(routes=routes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,27 +332,22 @@ def serve(args: argparse.Namespace) -> int:
         if args.no_reuse:
             pool = NoReusePool(pool)
     loop = EngineLoop(Engine(model_config, config, pool, model=model))
-    host, _, port = args.listen.rpartition(":")
-    httpd = ThreadingHTTPServer(
-        (host, int(port)), _handler(loop, args.model_name, WordTokenizer.for_vocab(model_config.vocab_size))
-    )
-    httpd.daemon_threads = True
+    tokenizer = WordTokenizer.for_vocab(model_config.vocab_size)
+    http = HttpServer(engine_app(loop, args.model_name, tokenizer), args.listen, ENGINE_HTTP_LIMITS, "engine")
+    supervisor = Supervisor()  # SIGTERM/SIGINT end the wait below
+    supervisor.install_stop_signals()
     loop.start()
-    print(f"kvpool engine ({args.role}): http://{host}:{httpd.server_address[1]}", flush=True)
+    http.start()
+    print(f"kvpool engine ({args.role}): http://{http.address}", flush=True)
     try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        supervisor.wait_for_stop()
     finally:
-        httpd.server_close()
+        http.stop()  # joins the server (open streams get its grace) before the engine stops
         loop.stop()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     return serve(build_parser().parse_args(argv))
 
 

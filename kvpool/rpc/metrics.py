@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import grpc
@@ -133,6 +133,9 @@ class _TimingInterceptor(grpc.ServerInterceptor):
         )
 
 
+SCRAPE_TIMEOUT_S = 10.0
+
+
 def split_listen(listen: str, what: str) -> tuple[str, int]:
     """HOST:PORT -> (host, port), or InvalidArgument naming ``what``."""
     host, _, port = listen.rpartition(":")
@@ -143,18 +146,21 @@ def split_listen(listen: str, what: str) -> tuple[str, int]:
 
 class MetricsServer:
     """``GET /metrics`` over ``registry`` on ``listen`` (port 0 = a free one). ``serve`` is the
-    loop, meant for ``Supervisor.spawn``; ``stop`` ends it and closes the socket."""
+    loop, meant for ``Supervisor.spawn``; ``stop`` ends it and closes the socket.
+
+    One thread, the supervisor's: scrapes are answered one at a time on it (a scrape is one
+    short request every few seconds), so no thread per request exists to be left running,
+    and a client that stalls is cut off after ``SCRAPE_TIMEOUT_S``."""
 
     def __init__(self, listen: str, registry: CollectorRegistry) -> None:
         host, port = split_listen(listen, "metrics address")
         try:
-            self._http = ThreadingHTTPServer((host, port), _handler_for(registry))
+            self._http = HTTPServer((host, port), _handler_for(registry))
         except OSError as exc:
             raise Unavailable(
                 f"cannot serve metrics on {listen}: {exc.strerror or exc}",
                 hint="pick a free port with --metrics-listen 127.0.0.1:PORT, or leave it empty to turn metrics off",
             ) from None
-        self._http.daemon_threads = True
         self.address = f"{host}:{self._http.server_address[1]}"
         self._stopped = threading.Event()
 
@@ -177,6 +183,7 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
 def _handler_for(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "kvpool-metrics/1"
+        timeout = SCRAPE_TIMEOUT_S  # the socket's: a stalled client cannot hold the one thread
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("metrics http: " + format, *args)

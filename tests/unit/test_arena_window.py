@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.core.arena_map import ArenaMapping, PutWindow
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.storage.arena import PutWindow, SharedArena
+from kvpool.storage.arena import SharedArena
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 CAPACITY = 64 * PAGE
@@ -75,7 +76,7 @@ def test_a_window_maps_only_the_pages_of_its_slots(length: int, slots: set[int],
 def test_a_client_arena_is_read_only_and_needs_a_write_descriptor_for_a_window() -> None:
     owner = SharedArena.create_memfd(CAPACITY, allow_overcommit=True)
     try:
-        client = SharedArena.from_fd(owner.read_only_fd(), CAPACITY, name="test")
+        client = ArenaMapping.from_fd(owner.read_only_fd(), CAPACITY, name="test")
         try:
             assert not client.writable and not client.can_write
             with pytest.raises(ValueError):

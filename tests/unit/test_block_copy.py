@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from kvpool.client import blocks as blocks_mod
 from kvpool.client.blocks import adjacent_runs, read_rows, write_rows
+from kvpool.core.arena_map import PutWindow
 from kvpool.core.checksum import checksum64
-from kvpool.storage.arena import PutWindow
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

@@ -136,9 +136,9 @@ def test_bad_input_refused() -> None:
     engine = Engine(MC, EngineConfig(num_pages=4, page_tokens=4, block_tokens=8))
     with pytest.raises(InvalidArgument):
         engine.add_request("x", [MC.vocab_size], SamplingParams(1))
-    engine.add_request("big", prompt(30, 1), SamplingParams(1))
-    with pytest.raises(CapacityExhausted):
-        engine.step()
+    with pytest.raises(CapacityExhausted):  # more pages than the engine has: refused at once
+        engine.add_request("big", prompt(30, 1), SamplingParams(1))
+    assert not engine.has_work()
     alloc = PageAllocator(3)
     pages = alloc.alloc(3)
     with pytest.raises(CapacityExhausted):

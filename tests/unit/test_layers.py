@@ -38,11 +38,8 @@ LAYERS: list[list[str]] = [
 ]
 # (importing module, imported module) pairs not yet in line, each with the reason it stays
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # the same-host client maps the node's arena with storage's SharedArena; the client side
-    # of the mapping moves behind a core interface once the arena's put window settles
-    ("kvpool.client.pool_client", "kvpool.storage.arena"): "client arena mapping",
-    ("kvpool.client.async_client", "kvpool.storage.arena"): "client arena mapping",
-    ("kvpool.client.blocks", "kvpool.storage.arena"): "client arena mapping (a put's write window)",
+    # none: the client maps the node's arena through kvpool.core.arena_map (storage's
+    # SharedArena is a subclass of it), no longer through storage.arena
 }
 
 

@@ -86,3 +86,11 @@ def test_version_matches_pyproject() -> None:
 
     project = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     assert project["version"] == VERSION
+
+
+def test_the_http_stack_is_a_declared_dependency() -> None:
+    """The router and the engine serve HTTP with Starlette on uvicorn (kvpool.rpc.http_json):
+    a clean ``pip install kvpool`` must bring both, not only the vLLM extra that pulls them."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = {dep.split(">")[0].split("=")[0].split("[")[0].strip() for dep in config["project"]["dependencies"]}
+    assert {"starlette", "uvicorn"} <= names

@@ -6,8 +6,11 @@ import contextlib
 import errno
 import os
 import pathlib
+import shutil
 import stat
 import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -29,6 +32,9 @@ def key(i: int) -> bytes:
 
 def data(i: int, size: int = BLOCK) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tier(path: pathlib.Path, capacity: int = 4 * SLAB, **kw: object) -> DiskTier:
@@ -157,7 +163,8 @@ def test_other_slab_file_size_is_refused(tmp_path: pathlib.Path) -> None:
 @contextlib.contextmanager
 def unwritable(folder: pathlib.Path) -> Iterator[None]:
     """``folder`` made unwritable for this process: by its mode bits, or, for root (which
-    writes through mode bits: CI runs as root), by a read-only bind mount of it onto itself."""
+    writes through mode bits: CI runs as root), by a read-only bind mount of it onto itself
+    (``CantBindMount`` where root lacks CAP_SYS_ADMIN, as in most containers)."""
     if os.geteuid() != 0:
         folder.chmod(stat.S_IRUSR | stat.S_IXUSR)
         try:
@@ -167,7 +174,7 @@ def unwritable(folder: pathlib.Path) -> Iterator[None]:
         return
     bind = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True, text=True)
     if bind.returncode != 0:
-        pytest.skip(f"root, and cannot bind-mount (needs CAP_SYS_ADMIN): {bind.stderr.strip()}")
+        raise CantBindMount(bind.stderr.strip())
     try:
         subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True, capture_output=True)
         yield
@@ -175,9 +182,51 @@ def unwritable(folder: pathlib.Path) -> Iterator[None]:
         subprocess.run(["umount", str(folder)], check=True, capture_output=True)
 
 
+class CantBindMount(Exception):
+    pass
+
+
+# the same check run as an unprivileged user: what root without CAP_SYS_ADMIN does instead
+AS_NOBODY = """
+import sys
+from kvpool.core.errors import StorageFault
+from kvpool.storage.disk_tier import DiskTier
+try:
+    DiskTier(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+except StorageFault as exc:
+    print(exc.message)
+"""
+
+
 def test_unwritable_directory_is_a_storage_fault(tmp_path: pathlib.Path) -> None:
-    with unwritable(tmp_path), pytest.raises(StorageFault, match="not usable"):
-        tier(tmp_path / "d")
+    try:
+        with unwritable(tmp_path), pytest.raises(StorageFault, match="not usable"):
+            tier(tmp_path / "d")
+    except CantBindMount:
+        check_as_nobody()  # root without CAP_SYS_ADMIN (a container): drop privileges instead
+
+
+def test_an_unwritable_directory_as_an_unprivileged_user(tmp_path: pathlib.Path) -> None:
+    """The fallback above, run wherever it can be (root with setpriv), so it is known to work."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: the mode bits already make a folder unwritable (the test above)")
+    check_as_nobody()
+
+
+def check_as_nobody() -> None:
+    """As user nobody (``setpriv``), a disk tier under a root-owned read-only folder is refused."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root without CAP_SYS_ADMIN and without setpriv: no way to make a folder unwritable")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-unwritable-", dir="/tmp"))
+    try:
+        folder.chmod(0o555)
+        nobody = ["--reuid=65534", "--regid=65534", "--clear-groups"]
+        argv = [setpriv, *nobody, sys.executable, "-c", AS_NOBODY, str(folder / "d"), str(4 * SLAB), str(SLAB)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert "is not usable" in done.stdout, done.stdout + done.stderr
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_path_that_is_a_file_is_a_storage_fault(tmp_path: pathlib.Path) -> None:

@@ -79,3 +79,38 @@ def test_present_during_background_recovery_reads_lmdb_outside_the_lock(
     finally:
         gate.set()
         t2.close()
+
+
+def test_close_joins_background_recovery_before_closing_the_index(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery sets ``recovered`` and only then deletes the entries it dropped: ``close``
+    must wait for that too (the thread, not the event), or it deletes from a closed index."""
+    import kvpool.storage.disk_tier as disk_tier
+
+    t = tier(tmp_path)
+    write(t, list(range(6)))
+    t.close()
+    real_recover, real_delete = disk_tier.recover, DiskTier._delete
+    monkeypatch.setattr(disk_tier, "recover", lambda st, db, files: [*real_recover(st, db, files), key(3)])
+    entered, release = threading.Event(), threading.Event()
+    closed_at_delete: list[bool] = []
+
+    def delete(self: DiskTier, keys: list[bytes]) -> object:
+        if threading.current_thread().name == "kvpool-disk-recovery":
+            entered.set()
+            release.wait(10)
+            closed_at_delete.append(self._st.closed)
+        return real_delete(self, keys)
+
+    monkeypatch.setattr(DiskTier, "_delete", delete)
+    t2 = tier(tmp_path, background_recovery=True)
+    assert entered.wait(10) and t2.wait_recovered(10)
+    closer = threading.Thread(target=t2.close)
+    closer.start()
+    closer.join(0.5)  # (a close that does not wait gets this long to run ahead)
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert closed_at_delete == [False]
+    assert "kvpool-disk-recovery" not in {th.name for th in threading.enumerate()}

@@ -1,0 +1,233 @@
+"""A mapping of a node's shared-memory arena as a same-host client holds it: the interface
+between the client (``kvpool.client``) and the arena the storage layer owns
+(``kvpool.storage.arena.SharedArena``, a subclass that also creates, reserves and removes
+the file). It lives in core so that the client and storage, which sit beside each other in
+the layer table of ``docs/architecture.md``, both depend downward on it and not on each other.
+
+A client's ``view`` is always a **read-only** mapping, whichever way it got the arena (by
+path, ``attach``, or by a descriptor a node handed over, ``from_fd``). It writes only through
+a ``PutWindow`` (``put_window``): writable mappings of just the pages its put's slots cover,
+made from the write descriptor and unmapped when the put's bytes are in. A stray write
+anywhere else, or after the put, is a SIGSEGV in the client, never a change to another block.
+stdlib + numpy only, like the rest of core.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.core.errors import InvalidArgument, Unavailable
+
+
+class ArenaMapping:
+    """A mapped arena, exposed as one flat uint8 numpy array (``view``)."""
+
+    def __init__(self, path: str, capacity_bytes: int, fd: int, mapping: mmap.mmap, write_fd: int = -1) -> None:
+        """``fd``: what ``mapping`` was made from; ``write_fd``: a client's descriptor that
+        may be mapped writable for a put (``put_window``), -1 while it has none (``fd`` itself
+        when it is read-write: the client maps it read-only all the same)."""
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self._fd = fd
+        self._write_fd = write_fd
+        self._mmap = mapping
+        self.view = np.frombuffer(mapping, dtype=np.uint8)[:capacity_bytes]
+        #: the kernel's page size of the arena's memory: 4 KiB (mmap.PAGESIZE), or the huge
+        #: page size of a hugetlb memfd (its st_blksize); put windows are made of whole pages
+        blksize = os.fstat(fd).st_blksize
+        self.page_bytes = blksize if blksize > mmap.PAGESIZE and blksize & (blksize - 1) == 0 else mmap.PAGESIZE
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the arena is on huge pages (``page_bytes`` above the base page size)."""
+        return self.page_bytes > mmap.PAGESIZE
+
+    @classmethod
+    def from_fd(cls, fd: int, capacity_bytes: int, name: str = "") -> ArenaMapping:
+        """Map an arena descriptor received from the daemon read-only (the view is a
+        read-only array); takes ownership of ``fd``. ``name``: where it came from (its
+        ``path``, never unlinked: the client does not own it)."""
+        try:
+            check_size(fd, capacity_bytes, "the arena handed over")
+            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ArenaMapping(name, capacity_bytes, fd, mapping)
+
+    @classmethod
+    def attach(cls, path: str, capacity_bytes: int) -> ArenaMapping:
+        """Map an existing arena file (a same-host client of a node without the hand-off):
+        read-only, with the file's descriptor kept for put windows."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot open the pool's arena {path}: {exc}",
+                hint="the client must run on the daemon's host, as a user that can read it",
+            ) from exc
+        try:
+            check_size(fd, capacity_bytes, f"arena {path}")
+            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ArenaMapping(path, capacity_bytes, fd, mapping, write_fd=fd)
+
+    def adopt_write_fd(self, fd: int) -> None:
+        """Keep ``fd`` (the read-write descriptor a node handed this client for a put) for
+        this and later puts' windows; takes ownership. Nothing is mapped writable here."""
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+                raise Unavailable("the node handed over a descriptor that is not read-write")
+            check_size(fd, self.capacity_bytes, "the writable arena handed over")
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._write_fd >= 0 and self._write_fd != self._fd:
+            os.close(self._write_fd)
+        self._write_fd = fd
+
+    @property
+    def can_write(self) -> bool:
+        """Whether this client holds a descriptor it can open put windows with."""
+        return self._write_fd >= 0
+
+    def put_window(self, offsets: Sequence[int], length: int) -> PutWindow:
+        """Writable mappings of the pages that ``[offset, offset + length)`` of each offset
+        covers, and of nothing else; close it (``with``) as soon as the bytes are in."""
+        if self._write_fd < 0:
+            raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
+        return PutWindow(self._write_fd, self.capacity_bytes, offsets, length, self.page_bytes)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def writable(self) -> bool:
+        """Whether ``view`` is writable: only the daemon's (the owner's) is."""
+        return bool(self.view.flags.writeable)
+
+    def region(self, offset: int, length: int) -> np.ndarray:
+        """A uint8 view of [offset, offset + length) with bounds checked."""
+        if offset < 0 or length < 0 or offset + length > self.capacity_bytes:
+            raise InvalidArgument(f"arena region [{offset}, {offset + length}) is outside 0..{self.capacity_bytes}")
+        return self.view[offset : offset + length]
+
+    def close(self) -> None:
+        """Unmap and close the descriptors. Views handed out must be dropped first."""
+        if self._fd < 0:
+            return
+        self.view = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a live numpy view still exports the buffer; the mapping dies with it
+        if self._write_fd >= 0 and self._write_fd != self._fd:
+            os.close(self._write_fd)
+        self._write_fd = -1
+        os.close(self._fd)
+        self._fd = -1
+
+
+class PutWindow:
+    """Writable mappings of only the pages a put's slots cover (``ArenaMapping.put_window``).
+
+    Slots are grouped into runs of overlapping or adjacent page ranges, one ``MAP_SHARED``
+    ``PROT_WRITE`` mapping per run (``MAP_POPULATE``: one fault pass, not one per page).
+    ``window[start:stop] = src`` writes arena bytes ``[start, stop)``, which must lie in one
+    slot given at creation (``InvalidArgument`` otherwise). ``close`` unmaps everything.
+    Where a slot does not start or end on a page boundary, its first and last pages are
+    shared with its neighbours and are writable too: pages are the kernel's unit, and on a
+    huge-page arena (``page_bytes`` 2 MiB) that is every slot in the same 2 MiB.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        capacity_bytes: int,
+        offsets: Sequence[int],
+        length: int,
+        page_bytes: int = mmap.ALLOCATIONGRANULARITY,
+    ) -> None:
+        page = page_bytes
+        ranges: list[tuple[int, int]] = []
+        for offset in sorted(offsets):
+            if offset < 0 or length <= 0 or offset + length > capacity_bytes:
+                raise InvalidArgument(f"arena slot [{offset}, {offset + length}) is outside 0..{capacity_bytes}")
+            start, stop = offset - offset % page, min(-(-(offset + length) // page) * page, capacity_bytes)
+            if ranges and start <= ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], stop))
+            else:
+                ranges.append((start, stop))
+        self._starts = [start for start, _ in ranges]
+        self._runs: list[tuple[int, int, mmap.mmap, np.ndarray]] = []
+        self._slots = set(offsets)
+        self._length = length
+        try:
+            for start, stop in ranges:
+                mapping = mmap.mmap(
+                    fd,
+                    stop - start,
+                    mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    mmap.PROT_READ | mmap.PROT_WRITE,
+                    offset=start,
+                )
+                self._runs.append((start, stop, mapping, np.frombuffer(mapping, dtype=np.uint8)))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(stop - start for start, stop, _, _ in self._runs)
+
+    def view_of(self, start: int, stop: int) -> np.ndarray:
+        """The writable bytes ``[start, stop)``: one slot of this put, a prefix of one, or
+        whole slots that follow one another (a run the client copies in one call);
+        ``InvalidArgument`` for anything else."""
+        start, stop = int(start), int(stop)
+        whole = (stop - start) // self._length if stop - start > self._length else 1
+        slots_ok = stop > start and all(start + k * self._length in self._slots for k in range(whole))
+        if not slots_ok or stop - start > whole * self._length:
+            raise InvalidArgument(f"arena bytes [{start}, {stop}) are not slots of this put")
+        run_start, run_stop, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
+        if stop > run_stop:  # slots in two runs are never adjacent, but say so if they are
+            raise InvalidArgument(f"arena bytes [{start}, {stop}) span two mappings of this put")
+        return view[start - run_start : stop - run_start]
+
+    def __setitem__(self, where: slice, value: np.ndarray) -> None:
+        self.view_of(where.start, where.stop)[:] = value
+
+    def close(self) -> None:
+        while self._runs:
+            _, _, mapping, view = self._runs.pop()
+            del view  # the last reference to the run's array: its buffer export ends here
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping dies with it
+
+    def __enter__(self) -> PutWindow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_size(fd: int, capacity_bytes: int, what: str) -> None:
+    """``Unavailable`` when the file behind ``fd`` is shorter than the arena it should hold
+    (a mapping past its end is SIGBUS on first touch)."""
+    size = os.fstat(fd).st_size
+    if size < capacity_bytes:
+        raise Unavailable(f"{what} is {size} bytes, expected {capacity_bytes}")
+
+
+__all__ = ["ArenaMapping", "PutWindow", "check_size"]
