@@ -123,6 +123,9 @@ class ClusterConfig:
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
     token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
+    # TLS on the TCP data plane with the control plane's --tls-cert-file / --tls-key-file
+    # (docs/security.md "Data-plane TLS": costs throughput; UCX / NIXL bytes stay in the clear)
+    data_tls: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in ("tcp", "ucx", "nixl"):
@@ -219,6 +222,10 @@ class DaemonConfig:
                 )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
+        if self.cluster.data_tls and not self.tls_cert_file:
+            raise InvalidArgument(
+                "--data-tls uses the control plane's certificate", hint="give --tls-cert-file and --tls-key-file"
+            )
         self._refuse_open_listeners()
 
     def _refuse_open_listeners(self) -> None:

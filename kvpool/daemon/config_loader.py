@@ -400,6 +400,14 @@ OPTIONS: list[Option] = [
     ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp, ucx or nixl (docs/cluster.md)."),
     Option(
+        "--data-tls",
+        "cluster.data_tls",
+        parse_switch,
+        "TLS on the TCP data plane with --tls-cert-file / --tls-key-file: KV bytes are encrypted and "
+        "authenticated on the wire, at a cost in throughput (docs/security.md). UCX / NIXL bytes are not.",
+        default_means="off",
+    ),
+    Option(
         "--host-name",
         "cluster.host",
         str,

@@ -35,6 +35,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
@@ -222,11 +223,20 @@ class PoolService(pool_pb2_grpc.PoolServicer):
                 f"protocol {request.protocol_version!r} is not {PROTOCOL_VERSION!r}",
                 hint="use a client of the same kvpool version",
             )
-        self._authorise(self._caller(context), bytes(request.namespace))
+        principal = self._caller(context)
+        self._authorise(principal, bytes(request.namespace))
         spec = spec_from_msg(request.spec)
         info = self.node.register(request.hash_scheme, spec, request.namespace, request.spec_digest)
         cfg = self.node.config.store
+        ticket_id, ticket_key, ticket_ttl_ms = b"", b"", 0
+        issuer = self.credentials.tickets if self.credentials is not None else None
+        if self.credentials is not None and issuer is not None:  # the data plane admits only callers seen here
+            ticket_id, ticket_key = self.credentials.issue_ticket(principal, int(time.monotonic() * 1000)) or (b"", b"")
+            ticket_ttl_ms = issuer.ttl_ms
         return pool_pb2.HelloReply(
+            data_ticket=ticket_id,
+            data_ticket_key=ticket_key,
+            data_ticket_ttl_ms=ticket_ttl_ms,
             node_id=self.node.node_id,
             hash_scheme=HASH_SCHEME,
             protocol_version=PROTOCOL_VERSION,
