@@ -188,6 +188,9 @@ class DaemonConfig:
     tenant_budget_units: int = 64
     tenant_rate_units_per_s: int = 1000  # cost units one tenant may spend per second (0 = no rate)
     tenant_max_calls: int = 0
+    # request items (hashes) each block a Lookup / Lease finds costs, billed after the call
+    # (fairness.TenantGate.charge); 0 = calls cost by their request size only
+    tenant_walk_cost_items: int = 8
     tenant_wait_ms: int = 200
 
     def __post_init__(self) -> None:
@@ -205,6 +208,7 @@ class DaemonConfig:
             self.tenant_rate_units_per_s,
             self.tenant_max_calls,
             self.tenant_wait_ms,
+            self.tenant_walk_cost_items,
         )
         if min(tenant_limits) < 0:
             raise InvalidArgument("the --tenant-* limits must be >= 0")

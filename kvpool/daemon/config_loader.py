@@ -334,6 +334,14 @@ OPTIONS: list[Option] = [
         "a call past it waits up to --tenant-wait-ms for tokens, then TENANT_BUSY. 0 = no rate.",
     ),
     Option(
+        "--tenant-walk-cost-items",
+        "tenant_walk_cost_items",
+        int,
+        "per-tenant fairness: each block a Lookup or Lease finds costs this many hashes more, billed to "
+        "the tenant's rate after the call (a hit walk costs far more than the hashes a request carries). "
+        "0 = bill calls by their request size only.",
+    ),
+    Option(
         "--tenant-max-calls",
         "tenant_max_calls",
         int,
