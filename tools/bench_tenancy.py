@@ -70,6 +70,13 @@ def start_daemon(gate: str) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit(f"daemon on {address} did not start")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used: what the flood costs the daemon."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def lookups(client: PoolClient, hashes: list[bytes], seconds: float) -> list[float]:
     """Latencies (ms) of back-to-back lookups for ``seconds``."""
     out: list[float] = []
@@ -144,13 +151,18 @@ def run(gate: str, args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.rounds):
                 idle: list[float] = []
                 loaded: list[float] = []
+                cpu = {"idle": 0.0, "flood": 0.0}  # the victim's daemon's CPU seconds in each phase
                 for _ in range(args.windows):  # idle and flood windows alternate: slow drifts in
                     go.clear()  # the machine's background load hit both phases alike
                     time.sleep(0.2)  # the flood's calls in flight drain
+                    before = cpu_s(proc.pid)
                     idle += lookups(victim, hashes, args.seconds / args.windows)
+                    cpu["idle"] += cpu_s(proc.pid) - before
                     go.set()
                     time.sleep(0.2)
+                    before = cpu_s(proc.pid)
                     loaded += lookups(victim, hashes, args.seconds / args.windows)
+                    cpu["flood"] += cpu_s(proc.pid) - before
                 go.clear()
                 rounds.append(
                     {
@@ -160,6 +172,8 @@ def run(gate: str, args: argparse.Namespace) -> dict[str, Any]:
                         "flood_p99_ms": round(pct(loaded, 99), 3),
                         "p99_ratio": round(pct(loaded, 99) / pct(idle, 99), 2),
                         "victim_calls": [len(idle), len(loaded)],
+                        # daemon CPU per second of each phase (the victim's own calls included)
+                        "daemon_cpu_ms_per_s": [round(1e3 * cpu[k] / args.seconds) for k in ("idle", "flood")],
                     }
                 )
                 print(f"gate {gate} " + json.dumps(rounds[-1]), flush=True)

@@ -136,12 +136,12 @@ def test_the_blocks_a_lookup_finds_are_billed_to_its_tenant(daemon_factory: Any)
             blocks = make_blocks(64, seed=41)
             hashes_a, hashes_b = a.hashes(np.arange(16 * 64)), b.hashes(np.arange(16 * 64))
             assert a.put(hashes_a, blocks).stored == 64 and b.put(hashes_b, blocks).stored == 64
-            # 2,048 hashes (cost 3), the first 64 hit: 64 x 10,000 items walked, a debt of one second of rate
+            # 2,048 hashes (cost 3), all hit: 2,048 x 10,000 items walked, a debt of one second of rate
             big_b = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=b"".join(hashes_b) * 32)
             big_a = pool_pb2.HashesRequest(namespace=a.namespace.digest(), hashes=b"".join(hashes_a) * 32)
             with grpc.insecure_channel(daemon.address) as channel:
                 stub = pool_pb2_grpc.PoolStub(channel)
-                assert stub.Lookup(big_b, timeout=10).hits == 64
+                assert stub.Lookup(big_b, timeout=10).hits == 2048  # the 64 blocks, 32 times over
                 outcomes = []
                 for _ in range(2):
                     try:
@@ -149,7 +149,7 @@ def test_the_blocks_a_lookup_finds_are_billed_to_its_tenant(daemon_factory: Any)
                     except grpc.RpcError as exc:
                         assert from_rpc_error(exc, daemon.address).code == ErrorCode.TENANT_BUSY
                         outcomes.append(-1)
-                assert (outcomes == [-1, -1]) if b_refused else (outcomes == [64, 64]), outcomes
-                assert stub.Lookup(big_a, timeout=10).hits == 64  # A's bucket is its own
+                assert (outcomes == [-1, -1]) if b_refused else (outcomes == [2048, 2048]), outcomes
+                assert stub.Lookup(big_a, timeout=10).hits == 2048  # A's bucket is its own
             assert a.lookup(hashes_a) == 64 and b.lookup(hashes_b) == 64  # small calls are never rate-limited
         daemon.stop()
