@@ -36,7 +36,7 @@ from kvpool.proto import directory_pb2
 from kvpool.rpc.credentials import load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
-from kvpool.transport.tcp import server_tls_context
+from kvpool.transport.tls import server_tls_context
 
 log = logging.getLogger("kvpool.cluster")
 

@@ -47,7 +47,7 @@ def make_data_server(
     tls: ssl.SSLContext | None = None,
 ) -> DataServer:
     """``credentials``: peers must pass AUTH first (docs/security.md); None admits every peer.
-    ``tls``: every connection is TLS (``tcp.server_tls_context``; UCX / NIXL bytes are not)."""
+    ``tls``: every connection is TLS (``tls.server_tls_context``; UCX / NIXL bytes are not)."""
     server = _make_data_server(kind, store, listen, credentials)
     server.tls_context = tls
     return server

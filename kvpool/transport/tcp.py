@@ -38,6 +38,7 @@ from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.core.tickets import MAX_TICKET_ID_BYTES, NONCE_BYTES, PROOF_BYTES, ticket_proof
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore, ReadItem, ReadResult, TicketSource, WriteResult
+from kvpool.transport.tls import client_tls_context
 
 log = logging.getLogger("kvpool.transport")
 
@@ -84,22 +85,6 @@ def copy_verified(
         memoryview(dst[i]).cast("B")[:] = memoryview(landed)  # type: ignore[arg-type]
         progress[0] = i + 1
     return -1
-
-
-def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """TLS for a data-plane listener, from the control plane's certificate and key."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert_file, key_file)
-    return context
-
-
-def client_tls_context(root_certs: bytes) -> ssl.SSLContext:
-    """TLS for data-plane reads and writes: the node's certificate must chain to ``root_certs``
-    (PEM) and name the address dialled (an IP SAN for an IP)."""
-    context = ssl.create_default_context(cadata=root_certs.decode("ascii"))
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    return context
 
 
 class ProtocolViolation(InvalidArgument):
