@@ -151,8 +151,8 @@ class Credentials:
             return None
         if principal == CLUSTER:
             return self.tickets.issue(CLUSTER_INDEX, now_ms)
-        index = next(i for i, e in enumerate(self.entries) if e.principal == principal)
-        return self.tickets.issue(index, now_ms)
+        index = next((i for i, e in enumerate(self.entries) if e.principal == principal), None)
+        return None if index is None else self.tickets.issue(index, now_ms)
 
     def identify_ticket(self, ticket_id: bytes, nonce: bytes, proof: bytes, now_ms: int) -> Principal | None:
         """The principal of a live ticket whose key made ``proof`` for ``nonce``, or None
