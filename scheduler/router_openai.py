@@ -7,7 +7,9 @@ The handshake (vLLM's disaggregated-prefill proxy pattern, the KV pushed through
    goes. ``SplitPolicy``: a prompt whose *uncached* part (prompt minus the prefix the pool
    holds, as the pool's KV events tell the router) is at most ``local_prefill_tokens``
    prefills on the decode instance itself (short or well-cached: no second hop); a longer
-   one prefills on a prefill instance.
+   one prefills on a prefill instance. While the decode instance has requests decoding, the
+   limit is ``busy_local_prefill_tokens``: a local prefill runs as one engine step and every
+   running decode waits for it, so only small ones may interrupt decoding.
 2. Remote prefill: ``POST prefill/v1/completions`` with ``max_tokens: 1``. The prefill
    instance (vLLM ``kv_producer`` with ``KvpoolConnector``, or the reference engine's
    ``prefill`` role) writes the prompt's full blocks into the pool and answers.
@@ -78,10 +80,17 @@ class SplitPolicy(Policy):
 
     name = "split"
 
-    def __init__(self, local_prefill_tokens: int, mode: RouteMode = "auto") -> None:
-        if local_prefill_tokens < 0:
-            raise InvalidArgument("local_prefill_tokens must be >= 0")
+    def __init__(
+        self, local_prefill_tokens: int, mode: RouteMode = "auto", busy_local_prefill_tokens: int | None = None
+    ) -> None:
+        if local_prefill_tokens < 0 or (busy_local_prefill_tokens is not None and busy_local_prefill_tokens < 0):
+            raise InvalidArgument("local_prefill_tokens and busy_local_prefill_tokens must be >= 0")
         self.local_prefill_tokens = local_prefill_tokens
+        # While the decode instance is decoding, a local prefill stalls every running decode for
+        # as long as it runs (one engine step): only prefill this many uncached tokens there then.
+        self.busy_local_prefill_tokens = (
+            local_prefill_tokens if busy_local_prefill_tokens is None else busy_local_prefill_tokens
+        )
         self.mode: RouteMode = mode
         self.down: set[int] = set()  # members marked down by the front door
 
@@ -95,10 +104,13 @@ class SplitPolicy(Policy):
         hit = req.cached_tokens(int(state.reachable_blocks(lens)[d]), state.spec.block_tokens)
         uncached = req.input_tokens - hit
         prefill = [int(m) for m in state.prefill_arr if int(m) not in self.down]
-        remote = self.mode == "remote" or (self.mode == "auto" and uncached > self.local_prefill_tokens)
+        running = int(state.decode_active[d])
+        limit = min(self.local_prefill_tokens, self.busy_local_prefill_tokens) if running else self.local_prefill_tokens
+        remote = self.mode == "remote" or (self.mode == "auto" and uncached > limit)
         if remote and prefill:
             p = int(prefill[int(np.argmin(state.queues_ms(np.array(prefill))))])
-            return explain(state, req, p, "instance", d, lens, f"uncached {uncached} tokens: prefill instance")
+            why = f"uncached {uncached} tokens > {limit} ({running} decoding there): prefill instance"
+            return explain(state, req, p, "instance", d, lens, why)
         if self.mode == "remote":
             return Decision.reject("no prefill instance is up (route mode 'remote')")
         return explain(state, req, d, "decode_local", d, lens, f"uncached {uncached} tokens: prefill on decode")
@@ -197,6 +209,7 @@ class FrontDoor:
             raise InvalidArgument(f"instances {sorted(missing)} are not in the router's {core.names}")
         self._lock = threading.Lock()
         self._active: dict[str, int] = dict.fromkeys(self.instances, 0)
+        self._context_tokens: dict[str, int] = dict.fromkeys(self.instances, 0)  # prompt + max_tokens in flight
         self._ids = itertools.count(1)
         self.counters: dict[str, int] = {"requests": 0, "local": 0, "remote": 0, "failed": 0, "hit_tokens": 0}
         self.counters["prompt_tokens"] = 0
@@ -261,11 +274,14 @@ class FrontDoor:
         with self._lock:
             self.policy.down.add(self.core.names.index(inst.name))
 
-    def _busy(self, inst: Instance, delta: int) -> None:
+    def _busy(self, inst: Instance, delta: int, tokens: int) -> None:
+        """Count a request (``tokens``: its prompt + max_tokens) in (+1) or out (-1) of ``inst``
+        and report the instance's real load, replacing what the router charged at placement."""
         with self._lock:
             self._active[inst.name] += delta
-            n = self._active[inst.name]
-        self.core.report(WorkerLoad(inst.name, outstanding_requests=n, active_requests=n))
+            self._context_tokens[inst.name] += delta * tokens
+            n, ctx = self._active[inst.name], self._context_tokens[inst.name]
+        self.core.report(WorkerLoad(inst.name, outstanding_requests=n, active_requests=n, context_tokens=ctx))
 
     def serve(self, job: Job) -> Iterator[tuple[list[int], dict[str, Any]]]:
         """Run ``job``: yields (new token ids, kvpool info so far) per engine chunk. Raises
@@ -281,22 +297,23 @@ class FrontDoor:
             self.counters["remote" if prefill else "local"] += 1
             self.counters["prompt_tokens"] += len(job.token_ids)
         body = {**job.engine_body, "model": self.model_name, "prompt": job.token_ids}
+        tokens = len(job.token_ids) + int(job.engine_body["max_tokens"])
         current = decode
         try:
             if prefill is not None:
                 current = prefill
-                self._busy(prefill, 1)
+                self._busy(prefill, 1, tokens)
                 try:
                     first = complete(prefill, "prefill", {**body, "max_tokens": 1})
                 finally:
-                    self._busy(prefill, -1)
+                    self._busy(prefill, -1, tokens)
                 info["prefill_first_token"] = first["choices"][0].get("token_ids", [])
                 done = first.get("kvpool") or {}  # the reference engine says what it did; vLLM does not
                 info["prefill_instance_tokens_run"] = done.get("prefill_tokens_run")
                 info["prefill_instance_hit_tokens"] = done.get("hit_tokens")
                 info["prefill_stored_blocks"] = done.get("stored_blocks")
                 current = decode
-            self._busy(decode, 1)
+            self._busy(decode, 1, tokens)
             try:
                 for event in stream(decode, "decode", body):
                     usage = event.get("usage") or {}
@@ -308,7 +325,7 @@ class FrontDoor:
                     for choice in event.get("choices", []):
                         yield list(choice.get("token_ids") or []), info
             finally:
-                self._busy(decode, -1)
+                self._busy(decode, -1, tokens)
         except EngineUnavailable as err:
             with self._lock:
                 self.counters["failed"] += 1

@@ -26,6 +26,14 @@ reserved the same way, its size sealed so no holder can shrink it under the daem
 descriptors reach only admitted clients (``from_fd``): a read-only one (``read_only_fd``: a
 mapping of it cannot be made writable) or the read-write one.
 
+With ``huge_pages=True`` the memfd is ``MFD_HUGETLB``: the arena lives on the host's reserved
+huge pages (2 MiB on x86-64; ``/proc/sys/vm/nr_hugepages``), which a copy out of it reads
+as fast as private memory on transparent huge pages, where 4 KiB-page shared memory is
+slower (docs/benchmarks.md). There must be enough free reserved pages for the whole arena
+(``HugePages_Free``): they are taken up front, else ``HugePagesUnavailable`` says how many
+to reserve and the daemon falls back to 4 KiB pages or refuses (``--arena-huge-pages``,
+``tests/integration/test_arena_huge_pages.py``). ``page_bytes`` says which it got.
+
 A client's ``view`` is always a **read-only** mapping, whichever way it got the arena
 (``tests/integration/test_arena_mapping.py``). It writes only through a ``PutWindow``
 (``put_window``): writable mappings of just the pages its put's slots cover, made from the
@@ -74,6 +82,41 @@ def available_memory_bytes(meminfo_path: str = MEMINFO_PATH) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+class HugePagesUnavailable(CapacityExhausted):
+    """The host cannot back a huge-page arena now (no reserved pages free, or too few)."""
+
+
+@dataclass(frozen=True)
+class HugePageRoom:
+    """The host's reserved huge pages, from ``/proc/meminfo``."""
+
+    page_bytes: int  # Hugepagesize
+    total_pages: int  # HugePages_Total (nr_hugepages)
+    free_pages: int  # HugePages_Free: reserved and not in use
+
+    @classmethod
+    def measure(cls, meminfo_path: str = MEMINFO_PATH) -> HugePageRoom:
+        fields: dict[str, int] = {}
+        try:
+            with open(meminfo_path, encoding="ascii") as fh:
+                for line in fh:
+                    name, _, rest = line.partition(":")
+                    if name in ("Hugepagesize", "HugePages_Total", "HugePages_Free"):
+                        fields[name] = int(rest.split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+        return cls(
+            fields.get("Hugepagesize", 0) * 1024, fields.get("HugePages_Total", 0), fields.get("HugePages_Free", 0)
+        )
+
+    @property
+    def free_bytes(self) -> int:
+        return self.free_pages * self.page_bytes
+
+    def pages_for(self, capacity_bytes: int) -> int:
+        return -(-capacity_bytes // self.page_bytes) if self.page_bytes else 0
 
 
 def filesystem_free_bytes(directory: str) -> int:
@@ -135,7 +178,16 @@ class SharedArena:
         self._fd = fd
         self._write_fd = write_fd
         self._mmap = mapping
-        self.view = np.frombuffer(mapping, dtype=np.uint8)
+        self.view = np.frombuffer(mapping, dtype=np.uint8)[:capacity_bytes]
+        #: the kernel's page size of the arena's memory: 4 KiB (mmap.PAGESIZE), or the huge
+        #: page size of a hugetlb memfd (its st_blksize); put windows are made of whole pages
+        blksize = os.fstat(fd).st_blksize
+        self.page_bytes = blksize if blksize > mmap.PAGESIZE and blksize & (blksize - 1) == 0 else mmap.PAGESIZE
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the arena is on huge pages (``page_bytes`` above the base page size)."""
+        return self.page_bytes > mmap.PAGESIZE
 
     @classmethod
     def create(
@@ -197,6 +249,7 @@ class SharedArena:
         *,
         allow_overcommit: bool = False,
         meminfo_path: str = MEMINFO_PATH,
+        huge_pages: bool = False,
     ) -> SharedArena:
         """A new arena in an anonymous memfd (no file name to open), sealed against shrinking
         and growing: a client that holds its descriptor cannot make the daemon's pages vanish
@@ -204,6 +257,8 @@ class SharedArena:
         ``create`` (a memfd's pages are shared memory)."""
         if capacity_bytes <= 0:
             raise InvalidArgument("arena capacity_bytes must be positive")
+        if huge_pages:
+            return cls._create_huge_memfd(capacity_bytes, name_hint, meminfo_path)
         available = available_memory_bytes(meminfo_path)
         short = available is not None and capacity_bytes > available
         if short and not allow_overcommit:
@@ -224,6 +279,47 @@ class SharedArena:
         except OSError as exc:
             os.close(fd)
             raise StorageFault(f"cannot map a {capacity_bytes}-byte memfd arena: {exc}") from exc
+        return cls("", capacity_bytes, True, fd, mapping)
+
+    @classmethod
+    def _create_huge_memfd(cls, capacity_bytes: int, name_hint: str, meminfo_path: str) -> SharedArena:
+        """``create_memfd`` on reserved huge pages: every page taken now (a hugetlb page that
+        cannot be had at fault time is a SIGBUS, so there is no overcommit here), the file
+        rounded up to whole pages, sealed like the 4 KiB one."""
+        room = HugePageRoom.measure(meminfo_path)
+        need = room.pages_for(capacity_bytes)
+        hint = (
+            f"reserve them as root: echo {room.total_pages - room.free_pages + need} > /proc/sys/vm/nr_hugepages "
+            "(or vm.nr_hugepages in sysctl.conf), or run with --arena-huge-pages off"
+        )
+        if not room.page_bytes or room.free_pages < need:
+            raise HugePagesUnavailable(
+                f"a huge-page arena of {_size(capacity_bytes)} needs {need} free huge pages of "
+                f"{_size(room.page_bytes)}; the host has {room.free_pages} free of {room.total_pages} reserved",
+                hint=hint,
+            )
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB
+        try:
+            fd = os.memfd_create(f"{name_hint}-arena", flags)
+        except OSError as exc:
+            raise HugePagesUnavailable(f"cannot create a huge-page memfd: {exc}", hint=hint) from exc
+        try:
+            file_bytes = need * room.page_bytes
+            os.ftruncate(fd, file_bytes)
+            try:
+                os.posix_fallocate(fd, 0, file_bytes)
+            except OSError as exc:  # another process took the pages between the check and here
+                raise HugePagesUnavailable(
+                    f"cannot take {need} huge pages for the arena: {exc.strerror}", hint=hint
+                ) from None
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise StorageFault(f"cannot map a {capacity_bytes}-byte huge-page arena: {exc}") from exc
+            raise
+        log.info("arena: %s on %d huge pages of %s", _size(capacity_bytes), need, _size(room.page_bytes))
         return cls("", capacity_bytes, True, fd, mapping)
 
     @classmethod
@@ -263,7 +359,7 @@ class SharedArena:
         covers, and of nothing else; close it (``with``) as soon as the bytes are in."""
         if self._write_fd < 0:
             raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
-        return PutWindow(self._write_fd, self.capacity_bytes, offsets, length)
+        return PutWindow(self._write_fd, self.capacity_bytes, offsets, length, self.page_bytes)
 
     def read_only_fd(self) -> int:
         """A new descriptor of this arena opened O_RDONLY (through /proc/self/fd): whoever
@@ -353,11 +449,19 @@ class PutWindow:
     ``window[start:stop] = src`` writes arena bytes ``[start, stop)``, which must lie in one
     slot given at creation (``InvalidArgument`` otherwise). ``close`` unmaps everything.
     Where a slot does not start or end on a page boundary, its first and last pages are
-    shared with its neighbours and are writable too: pages are the kernel's unit.
+    shared with its neighbours and are writable too: pages are the kernel's unit, and on a
+    huge-page arena (``page_bytes`` 2 MiB) that is every slot in the same 2 MiB.
     """
 
-    def __init__(self, fd: int, capacity_bytes: int, offsets: Sequence[int], length: int) -> None:
-        page = mmap.ALLOCATIONGRANULARITY
+    def __init__(
+        self,
+        fd: int,
+        capacity_bytes: int,
+        offsets: Sequence[int],
+        length: int,
+        page_bytes: int = mmap.ALLOCATIONGRANULARITY,
+    ) -> None:
+        page = page_bytes
         ranges: list[tuple[int, int]] = []
         for offset in sorted(offsets):
             if offset < 0 or length <= 0 or offset + length > capacity_bytes:
@@ -389,12 +493,22 @@ class PutWindow:
     def mapped_bytes(self) -> int:
         return sum(stop - start for start, stop, _, _ in self._runs)
 
+    def view_of(self, start: int, stop: int) -> np.ndarray:
+        """The writable bytes ``[start, stop)``: one slot of this put, a prefix of one, or
+        whole slots that follow one another (a run the client copies in one call);
+        ``InvalidArgument`` for anything else."""
+        start, stop = int(start), int(stop)
+        whole = (stop - start) // self._length if stop - start > self._length else 1
+        slots_ok = stop > start and all(start + k * self._length in self._slots for k in range(whole))
+        if not slots_ok or stop - start > whole * self._length:
+            raise InvalidArgument(f"arena bytes [{start}, {stop}) are not slots of this put")
+        run_start, run_stop, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
+        if stop > run_stop:  # slots in two runs are never adjacent, but say so if they are
+            raise InvalidArgument(f"arena bytes [{start}, {stop}) span two mappings of this put")
+        return view[start - run_start : stop - run_start]
+
     def __setitem__(self, where: slice, value: np.ndarray) -> None:
-        start, stop = int(where.start), int(where.stop)
-        if start not in self._slots or stop - start > self._length:
-            raise InvalidArgument(f"arena bytes [{start}, {stop}) are not a slot of this put")
-        run_start, _, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
-        view[start - run_start : stop - run_start] = value
+        self.view_of(where.start, where.stop)[:] = value
 
     def close(self) -> None:
         while self._runs:

@@ -29,7 +29,7 @@ log = logging.getLogger("kvpool.storage.disk_tier")
 class DiskReader:
     def __init__(self, parts: DiskParts) -> None:
         self._st, self._db, self._files, self._pool = parts.state, parts.db, parts.files, parts.pool
-        self._delete, self._report_gone = parts.delete, parts.report_gone
+        self._delete, self._report_failed = parts.delete, parts.report_failed
 
     def read_many(self, keys: Sequence[bytes]) -> list[DiskBlock | None]:
         """Read and verify blocks in parallel; None for a miss or a block that failed its
@@ -61,6 +61,7 @@ class DiskReader:
                 early_txn.abort()
         futures = [(i, entry, self._pool.submit(self._read_one, entry)) for i, entry in jobs]
         failed: list[DiskEntry] = []
+        io_failed: set[bytes] = set()  # the others failed their checksum
         for i, entry, fut in futures:
             try:
                 block = fut.result()
@@ -68,6 +69,7 @@ class DiskReader:
                 log.error("disk tier: read of block %s failed: %s", entry.key.hex(), exc)
                 with st.lock:
                     st.stats.io_errors += 1
+                io_failed.add(entry.key)
                 block = None
             if block is None:
                 failed.append(entry)
@@ -94,7 +96,9 @@ class DiskReader:
                     st.policy.on_access(got.key)
         if dropped:
             self._delete(dropped)
-            self._report_gone(dropped)
+            corrupt = [k for k in dropped if k not in io_failed]
+            self._report_failed(corrupt, "checksum_failure")
+            self._report_failed([k for k in dropped if k in io_failed], "io_error")
         return results
 
     def _read_one(self, entry: DiskEntry) -> DiskBlock | None:

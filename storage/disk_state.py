@@ -27,12 +27,17 @@ from kvpool.storage.disk_slots import DiskSlots
 from kvpool.storage.eviction import EvictionPolicy, make_policy
 
 EvictSink = Callable[[list[bytes]], None]
+#: blocks the tier dropped because reading or writing them failed, and why:
+#: ``"checksum_failure"`` (the payload read back does not match its checksum) or
+#: ``"io_error"`` (the read or the write failed), so "why did this miss" can say so
+FailSink = Callable[[list[bytes], str], None]
 
 
 @dataclass(frozen=True)
 class DiskParts:
     """What the tier's reader and writer share: the state, the index, the files, the I/O
-    pool, and the facade's two callbacks (durable index deletes; blocks gone from the tier)."""
+    pool, and the facade's callbacks (durable index deletes; blocks gone from the tier:
+    evicted, or dropped after a failure, with its cause)."""
 
     state: DiskState
     db: DiskIndexDB
@@ -40,6 +45,7 @@ class DiskParts:
     pool: ThreadPoolExecutor
     delete: Callable[[list[bytes]], None]
     report_gone: EvictSink
+    report_failed: FailSink
 
 
 @dataclass

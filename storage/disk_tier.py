@@ -56,7 +56,7 @@ from kvpool.storage.disk_layout import (
 from kvpool.storage.disk_reader import DiskReader
 from kvpool.storage.disk_recovery import early_entry, open_index, recover
 from kvpool.storage.disk_slots import DiskSlots
-from kvpool.storage.disk_state import DiskBlock, DiskParts, DiskState, DiskStats, EvictSink, QueuedBlock
+from kvpool.storage.disk_state import DiskBlock, DiskParts, DiskState, DiskStats, EvictSink, FailSink, QueuedBlock
 from kvpool.storage.disk_writer import WRITER_LINGER_S, WRITER_MAX_BATCH, DiskWriter
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class DiskTier:
         scheme: str = HASH_SCHEME,
         direct_io: bool | None = None,
         on_evict: EvictSink | None = None,
+        on_failed: FailSink | None = None,
         start_writer: bool = True,
         background_recovery: bool = False,
         high_watermark: float = 1.0,
@@ -124,6 +125,7 @@ class DiskTier:
         self.scheme = scheme
         self._scheme_raw = scheme_bytes(scheme)
         self._on_evict = on_evict
+        self._on_failed = on_failed  # None: failures are reported through on_evict
         # blocks in flight = the queue + the batch being written (taken off the queue)
         buffers = BufferPool(max_per_size=2 * queue_blocks + io_threads * 2)
         self._st = DiskState(num_files, slab_file_bytes, policy, high_watermark, low_watermark, buffers)
@@ -143,7 +145,9 @@ class DiskTier:
             self._pool.shutdown(wait=False)
             self._files.close()
             raise
-        parts = DiskParts(self._st, self._db, self._files, self._pool, self._delete, self._report_gone)
+        parts = DiskParts(
+            self._st, self._db, self._files, self._pool, self._delete, self._report_gone, self._report_failed
+        )
         self._writer = DiskWriter(parts, self._scheme_raw, queue_blocks)
         self._reader = DiskReader(parts)
         if not background_recovery:
@@ -244,6 +248,12 @@ class DiskTier:
     def _report_gone(self, keys: list[bytes]) -> None:
         if keys and self._on_evict is not None:
             self._on_evict(keys)
+
+    def _report_failed(self, keys: list[bytes], cause: str) -> None:
+        if keys and self._on_failed is not None:
+            self._on_failed(keys, cause)
+        else:
+            self._report_gone(keys)
 
     # -- queries --------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:

@@ -67,7 +67,7 @@ class DiskWriter:
 
     def __init__(self, parts: DiskParts, scheme_raw: bytes, queue_blocks: int) -> None:
         self._st, self._db, self._files, self._pool = parts.state, parts.db, parts.files, parts.pool
-        self._delete, self._report_gone = parts.delete, parts.report_gone
+        self._delete, self._report_gone, self._report_failed = parts.delete, parts.report_gone, parts.report_failed
         self._scheme_raw = scheme_raw
         self.queue: queue.Queue[QueuedBlock | None] = queue.Queue(maxsize=queue_blocks)
         self._write_mutex = threading.Lock()  # one batch is placed at a time
@@ -375,7 +375,8 @@ class DiskWriter:
                 for block, entry in job.placed:
                     st.slots.free(entry.file, entry.offset)
                     st.finish_queued(block)
-            self._report_gone([v.key for v in job.victims] + job.dropped + [b.key for b, _ in job.placed])
+            self._report_gone([v.key for v in job.victims] + job.dropped)
+            self._report_failed([b.key for b, _ in job.placed], "io_error")
             return 0
         committed = 0
         cancelled: list[bytes] = []

@@ -49,11 +49,17 @@ from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 
 class EventSink(Protocol):
     """Receives a store's KV events: ``kind`` for ``keys`` of ``namespace``, and ``tier``,
-    the tier where the blocks now live ("host", "disk" or "device"). A ``HostStore`` knows
-    only its own tier and leaves ``tier`` out (so a 3-argument callable still works there);
-    a ``TieredStore`` always names it (docs/tiers.md: which events a block's moves send)."""
+    the tier where the blocks now live ("host", "disk" or "device"; for REMOVED, the tier
+    they left). A ``HostStore`` knows only its own tier and leaves ``tier`` and ``cause``
+    out (so a 3-argument callable still works there); a ``TieredStore`` always names both
+    (docs/tiers.md: which events a block's moves send). ``cause`` says why a REMOVED block
+    left when the store itself knows better than "evicted": ``"checksum_failure"`` (a
+    lower tier read it back wrong) or ``"io_error"`` (the disk failed it); "" otherwise
+    (an eviction, or whatever the caller of the store's method is doing)."""
 
-    def __call__(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", /) -> None: ...
+    def __call__(
+        self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "", /
+    ) -> None: ...
 
 
 #: called with an evicted entry and a view of its bytes before its slot is freed (demotion)
@@ -344,7 +350,13 @@ class HostStore:
             return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
 
     def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
-        """Verify each written block against its checksum and make the good ones visible."""
+        """Verify each written block against its checksum and make the good ones visible.
+
+        The checksums are computed outside the store lock, so puts of several clients
+        verify at once and no lookup or lease waits behind a put's bytes: the put is taken
+        out of the pending table first (nobody can reclaim, abort or write its slots then;
+        its slots stay allocated and its keys stay "in flight"), then verified, then its
+        good blocks are indexed under the lock."""
         with self._lock:
             pending = self._pending.pop(put_id, None)
             if pending is None:
@@ -352,29 +364,35 @@ class HostStore:
                     f"put {put_id} is unknown: never started, already finished, or reclaimed after put_ttl_ms",
                     hint="start the put again",
                 )
-            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             if len(checksums) != len(pending.slots):
+                self._pending_keys.difference_update(key for _, key, _ in pending.slots)
                 for _, _, off in pending.slots:
                     self._alloc.free(off)
                 self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
                 raise InvalidArgument(
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
+        size = pending.block_bytes
+        matches = [
+            checksum64(self._buffer[offset : offset + size]) == checksum
+            for (_, _, offset), checksum in zip(pending.slots, checksums, strict=True)
+        ]
+        with self._lock:
+            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             committed: list[bytes] = []
             failed: list[int] = []
-            for (index, key, offset), checksum in zip(pending.slots, checksums, strict=True):
-                actual = checksum64(self._buffer[offset : offset + pending.block_bytes])
-                if actual != checksum:
+            for (index, key, offset), checksum, ok in zip(pending.slots, checksums, matches, strict=True):
+                if not ok:
                     self._alloc.free(offset)
-                    self._count(pending.namespace, -pending.block_bytes)
+                    self._count(pending.namespace, -size)
                     failed.append(index)
                     continue
-                entry = Entry(key, offset, pending.block_bytes, checksum, pending.namespace)
+                entry = Entry(key, offset, size, checksum, pending.namespace)
                 self._index[key] = entry
                 self._policy.on_insert(key)
                 committed.append(key)
             self.stats.puts += len(committed)
-            self.stats.put_bytes += len(committed) * pending.block_bytes
+            self.stats.put_bytes += len(committed) * size
             self.stats.checksum_failures += len(failed)
             if committed:
                 self._emit(EventKind.STORED, committed, pending.namespace)
@@ -406,6 +424,18 @@ class HostStore:
                 return pending.namespace
             lease = self._leases.get(capability_id)
             return lease.entries[0].namespace if lease is not None and lease.entries else None
+
+    def put_in_flight(self, key: bytes) -> float | None:
+        """The deadline (ms, this store's clock) of a put of ``key`` started and not yet
+        committed, aborted or reclaimed, else None. Scans the pending puts (at most
+        ``max_pending_puts``): for ``kvpool inspect lookup``, not for the hot path."""
+        with self._lock:
+            if key not in self._pending_keys:
+                return None
+            for put in self._pending.values():
+                if any(k == key for _, k, _ in put.slots):
+                    return put.deadline_ms
+        return None
 
     def put_pending(self, put_id: int) -> bool:
         """Whether ``put_id`` is a put started and not yet committed, aborted or reclaimed

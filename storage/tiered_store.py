@@ -101,6 +101,9 @@ class TieredStore:
         self._lock = threading.Lock()
         # host evictions of blocks that stay on the node -> the tier they now live in
         self._moved_to: dict[bytes, str] = {}
+        # host evictions whose bytes failed their checksum on the way down (not demoted)
+        self._failed_on_evict: set[bytes] = set()
+        self._lease_note = threading.local()  # why this thread's last lease could not promote
         self._host_hits: dict[bytes, int] = {}
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._device_demoted: list[tuple[bytes, bytes, int, np.ndarray]] = []
@@ -134,6 +137,7 @@ class TieredStore:
                     queue_blocks=tiers.write_behind_queue_blocks,
                     direct_io=disk_direct_io,
                     on_evict=self._on_lower_tier_dropped,
+                    on_failed=self._on_disk_failed,
                     background_recovery=True,  # serve the first hits while the index loads
                     high_watermark=tiers.disk_high_watermark,
                     low_watermark=tiers.disk_low_watermark,
@@ -207,6 +211,7 @@ class TieredStore:
 
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys, promoting host misses held by another tier first."""
+        self._lease_note.refusal = ""
         grant = self.host.lease(keys)
         n_host = len(grant.locations)
         promoted_keys: set[bytes] = set()
@@ -223,6 +228,11 @@ class TieredStore:
         self._after_lease(keys, grant, promoted_keys)
         self._drain_device_demotions()
         return grant
+
+    def promotion_refusal(self) -> str:
+        """Why the last ``lease`` this thread made could not bring a block held by a lower
+        tier into host (host full of leased or pinned blocks, or a quota), "" if it could."""
+        return str(getattr(self._lease_note, "refusal", ""))
 
     def release(self, lease_id: int) -> None:
         self.host.release(lease_id)
@@ -277,6 +287,9 @@ class TieredStore:
 
     def put_abort(self, put_id: int) -> None:
         self.host.put_abort(put_id)
+
+    def put_in_flight(self, key: bytes) -> float | None:
+        return self.host.put_in_flight(key)
 
     def put_pending(self, put_id: int) -> bool:
         return self.host.put_pending(put_id)
@@ -516,7 +529,7 @@ class TieredStore:
                 blocks[i] = block
         gone = [k for k in device_failed if self.host.entry(k) is None and not self._lower_has(k)]
         if gone:  # the device tier drops a bad copy silently: the node no longer holds it
-            self._emit(EventKind.REMOVED, gone, b"")
+            self._emit(EventKind.REMOVED, gone, b"", "device", "checksum_failure")
         # leading run of blocks of one namespace and size (one host put); no checksum pass
         # here: device.get and disk reads verify their private copies (a disk queue hit was
         # verified before it was queued), and put_commit verifies the bytes again in host
@@ -536,7 +549,8 @@ class TieredStore:
         try:
             # the host's STORED event (tier "host") tells subscribers the block moved up
             grant = self.host.put_start(good[0].namespace, [b.key for b in good], size)
-        except CapacityExhausted:
+        except CapacityExhausted as exc:
+            self._lease_note.refusal = exc.message  # host full, or the namespace's / tenant's quota
             with self._lock:
                 self.host_stats.promotion_failures += len(good)
             return 0, set()
@@ -617,6 +631,7 @@ class TieredStore:
         if checksum64(data) != entry.checksum:
             with self._lock:
                 self.host_stats.checksum_failures += 1
+                self._failed_on_evict.add(key)
             log.error("host block %s failed its checksum on eviction; not demoted", key.hex())
             return
         if self.disk.enqueue(key, entry.namespace, data, entry.checksum):
@@ -631,7 +646,12 @@ class TieredStore:
         """The host's events, with its REMOVED of a block that stays on the node turned into
         STORED naming the tier it now lives in (the eviction hook ran just before)."""
         moved: dict[str, list[bytes]] = {}
+        failed: list[bytes] = []
         with self._lock:
+            bad: set[bytes] = set()
+            if kind is EventKind.REMOVED and self._failed_on_evict:
+                bad = self._failed_on_evict.intersection(keys)
+                self._failed_on_evict.difference_update(bad)  # bounded: each key's REMOVED follows its hook
             if kind is EventKind.REMOVED and self._moved_to:
                 kept = []
                 for key in keys:
@@ -641,16 +661,26 @@ class TieredStore:
                     else:
                         moved.setdefault(to, []).append(key)
                 keys = kept
+            if bad:
+                failed = [k for k in keys if k in bad]
+                keys = [k for k in keys if k not in bad]
+        if failed:
+            self._emit(kind, failed, namespace, tier, "checksum_failure")
         if keys:
             self._emit(kind, keys, namespace, tier)
         for to, moved_keys in moved.items():
             self._emit(EventKind.STORED, moved_keys, namespace, to)
 
-    def _on_lower_tier_dropped(self, keys: list[bytes]) -> None:
-        """The disk tier evicted or dropped blocks: gone from the node unless another tier has them."""
+    def _on_lower_tier_dropped(self, keys: list[bytes], cause: str = "") -> None:
+        """The disk tier evicted (``cause`` "") or dropped blocks: gone from the node unless
+        another tier has them."""
         gone = [k for k in keys if self.host.entry(k) is None and (self.device is None or not self.device.contains(k))]
         if gone:
-            self._emit(EventKind.REMOVED, gone, b"")
+            self._emit(EventKind.REMOVED, gone, b"", "disk", cause)
+
+    def _on_disk_failed(self, keys: list[bytes], cause: str) -> None:
+        """The disk tier dropped blocks that failed their checksum or an I/O (``cause``)."""
+        self._on_lower_tier_dropped(keys, cause)
 
     def _on_device_evict(self, key: bytes, namespace: bytes, checksum: int, data: np.ndarray) -> None:
         """Called under the device lock: queue the block for host if no other tier has it."""
@@ -698,12 +728,12 @@ class TieredStore:
                 self._emit(EventKind.REMOVED, [key], namespace)  # a remove() overtook the STORED
             return
         if checksum64(data) != checksum:
-            self._emit(EventKind.REMOVED, [key], namespace)
+            self._emit(EventKind.REMOVED, [key], namespace, "device", "checksum_failure")
             return
         try:
             grant = self.host.put_start(namespace, [key], int(data.size))
-        except KVPoolError:
-            self._emit(EventKind.REMOVED, [key], namespace)
+        except KVPoolError:  # evicted from HBM and host has no room: an eviction
+            self._emit(EventKind.REMOVED, [key], namespace, "device")
             return
         for _, offset in grant.slots:
             self._buffer[offset : offset + data.size] = data
@@ -716,6 +746,6 @@ class TieredStore:
         if self._removed_since([key], since):
             self.remove([key])  # the remove raced the commit: it must stick, REMOVED last
 
-    def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
+    def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "") -> None:
         if self._on_event is not None:
-            self._on_event(kind, keys, namespace, tier)
+            self._on_event(kind, keys, namespace, tier, cause)

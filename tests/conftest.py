@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpool.daemon.cluster_local import free_port
+from kvpool.daemon.cluster_local import LocalCluster, free_port
 
 __all__ = ["free_port"]  # tests import it from here
 
@@ -225,3 +225,13 @@ def writable_arena(client: object) -> object:
     finally:
         os.close(fd)
     return np.frombuffer(mapping, dtype=np.uint8)
+
+
+@pytest.fixture
+def three_nodes(tmp_path: pathlib.Path) -> Iterator[tuple[str, list[str]]]:
+    """A real 3-node cluster on loopback (a directory and node-a, node-b, node-c, no etcd):
+    (directory address, node addresses); stopped when the test ends."""
+    with LocalCluster(str(tmp_path)) as cluster:
+        directory = cluster.start_directory(etcd=False)
+        nodes = [cluster.start_node(name, [directory.address], etcd=False) for name in ("node-a", "node-b", "node-c")]
+        yield directory.address, [n.address for n in nodes]

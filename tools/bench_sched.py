@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.cli import sim_capacity
 from kvpool.core.clock import FakeClock
 from kvpool.scheduler.cluster import ClusterSpec, RouteRequest, Slo
 from kvpool.scheduler.cost_model import get_preset
@@ -230,24 +231,16 @@ def _goodput_one(
 
 
 def part_capacity(name: str, speedup: float, n_jobs: int) -> dict[str, Any]:
-    caps: list[int | None] = [0, 10_000_000, 50_000_000, None]
+    """The sweep ``kvpool sim --capacity-curve`` draws too (kvpool.cli.sim_capacity), in forked workers."""
+    caps = list(sim_capacity.DEFAULT_CAPACITIES_TOKENS)
     pols = ("least-loaded", "dynamo", "kv-centric-noreject")
     jobs = [
         (name, regime_spec(True, pool_blocks=None if c is None else c // 512), p, speedup) for c in caps for p in pols
     ]
-    rows = run_many(jobs, n_jobs)
-    table: dict[str, list[float]] = {p: [] for p in pols}
-    hits: dict[str, list[float]] = {p: [] for p in pols}
-    for r in rows:
-        table[r.policy].append(r.ttft_mean_ms)
-        hits[r.policy].append(r.hit_rate)
+    curve = sim_capacity.capacity_table(caps, pols, run_many(jobs, n_jobs))
     print(f"\n== capacity curve ({name}, x{speedup:g}, peers on): mean TTFT ms by global pool tokens ==")
-    print("pool tokens   " + "  ".join(f"{p:>20}" for p in pols))
-    for i, c in enumerate(caps):
-        print(
-            f"{'inf' if c is None else c:>11}   " + "  ".join(f"{table[p][i]:>12.0f} ({hits[p][i]:.1%})" for p in pols)
-        )
-    return {"capacities_tokens": caps, "ttft_mean_ms": table, "hit_rate": hits}
+    print(sim_capacity.table_text(curve))
+    return curve
 
 
 def main() -> int:
@@ -313,10 +306,7 @@ def main() -> int:
         cap = part_capacity("conversation", 1.5, args.jobs)
         save("capacity", cap)
         if plots is not None:
-            from kvpool.scheduler import plots as P
-
-            xs = [c if c is not None else 200_000_000 for c in cap["capacities_tokens"]]
-            P.capacity_curve(plots / "sched_capacity_curve.png", xs, cap["ttft_mean_ms"])
+            sim_capacity.plot(plots / "sched_capacity_curve.png", cap)
     if "goodput" in parts:
         pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject", "kv-centric")
         save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs))

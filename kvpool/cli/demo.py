@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.local_prefill_tokens,
         help="prefill on the decode instance when at most this many prompt tokens are uncached",
     )
+    parser.add_argument(
+        "--busy-local-prefill-tokens",
+        type=int,
+        default=d.busy_local_prefill_tokens,
+        help="the same limit while the decode instance is decoding (a local prefill stalls its decodes)",
+    )
     parser.add_argument("--route", choices=("auto", "local", "remote"), default=d.route, help="force one path")
     parser.add_argument("--model", default="", help="vLLM model directory (default: a tiny random-weight Llama)")
     parser.add_argument("--capacity-bytes", default=d.capacity_bytes, help="pool capacity")
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
             num_decode=args.decode,
             listen=args.listen,
             local_prefill_tokens=args.local_prefill_tokens,
+            busy_local_prefill_tokens=args.busy_local_prefill_tokens,
             route=args.route,
             capacity_bytes=args.capacity_bytes,
             model_dir=args.model,

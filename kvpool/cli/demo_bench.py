@@ -134,8 +134,10 @@ def mixed_workload(n: int, long_tokens: int, long_every: int, rate: float, seed:
 
 
 # ---- running -----------------------------------------------------------------------------
-def mode_config(mode: str, listen: str, chunk_tokens: int) -> DemoConfig:
-    base = DemoConfig(engine="ref", listen=listen, local_prefill_tokens=128)
+def mode_config(mode: str, listen: str, chunk_tokens: int, busy_local_prefill_tokens: int = 32) -> DemoConfig:
+    base = DemoConfig(
+        engine="ref", listen=listen, local_prefill_tokens=128, busy_local_prefill_tokens=busy_local_prefill_tokens
+    )
     if mode.startswith("colocated"):
         return dataclasses.replace(
             base,
@@ -271,7 +273,9 @@ def run_bench(args: argparse.Namespace, cfg: DemoConfig, workdir: str) -> int:
     results: dict[str, dict[str, Any]] = {w: {} for w in loads}
     for mode in modes:
         port = free_port()
-        mcfg = dataclasses.replace(mode_config(mode, f"127.0.0.1:{port}", args.chunk_tokens), pin=cfg.pin)
+        mcfg = dataclasses.replace(
+            mode_config(mode, f"127.0.0.1:{port}", args.chunk_tokens, args.busy_local_prefill_tokens), pin=cfg.pin
+        )
         mode_dir = os.path.join(workdir, mode)
         os.makedirs(mode_dir, exist_ok=True)
         print(f"kvpool demo bench: {mode}: starting", file=sys.stderr, flush=True)
@@ -288,6 +292,7 @@ def run_bench(args: argparse.Namespace, cfg: DemoConfig, workdir: str) -> int:
         "modes": modes,
         **{k: getattr(args, k) for k in ("rate", "seed", "conversations", "requests", "long_tokens", "long_every")},
         "chunk_tokens": args.chunk_tokens,
+        "busy_local_prefill_tokens": args.busy_local_prefill_tokens,
     }
     (Path(out_dir) / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.json:

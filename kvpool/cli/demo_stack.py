@@ -45,6 +45,7 @@ class DemoConfig:
     num_decode: int = 1
     listen: str = "127.0.0.1:8000"
     local_prefill_tokens: int = 256
+    busy_local_prefill_tokens: int = 32  # the limit while the decode instance is decoding (one block)
     route: str = "auto"
     capacity_bytes: str = "512MiB"
     model_dir: str = ""  # vLLM only; "" = the tiny model
@@ -170,6 +171,7 @@ def start_stack(cluster: LocalCluster, cfg: DemoConfig) -> DemoAddresses:
     argv += ["--prefill", str(cfg.num_prefill), "--decode", str(cfg.num_decode), "--pool", pool.address]
     argv += ["--spec", "@" + spec_path, "--salt", cfg.salt, "--openai-listen", cfg.listen]
     argv += ["--local-prefill-tokens", str(cfg.local_prefill_tokens), "--route", cfg.route]
+    argv += ["--busy-local-prefill-tokens", str(cfg.busy_local_prefill_tokens)]
     argv += ["--model-name", cfg.model_name, "--vocab-size", str(vocab)]
     for name, url in urls.items():
         argv += ["--engine", f"{name}={url}"]

@@ -9,8 +9,10 @@
   kvpool inspect hot [--limit N]       most-read blocks and prefixes
   kvpool inspect hitrate [--plot F.png] lookup hit rate over time, per tier
   kvpool inspect lookup --tokens FILE  per block: hit or miss, node, tier, and why the chain
-                                       stops (evicted when and by which policy, checksum
-                                       failure, removed, other namespace, never stored)
+                                       stops (put in flight, evicted when and by which
+                                       policy, checksum failure or I/O error and on which
+                                       tier, removed, other namespace, never stored); and
+                                       why a reader's lease was refused
   kvpool inspect pin|unpin|evict --tokens FILE | --hashes HEX,...   (admin)
   kvpool inspect clear [--namespace HEX] [--yes]                   (admin; asks first)
   kvpool inspect doctor                config, connectivity, disk, memory, etcd, UCX

@@ -3,10 +3,11 @@
 Each member the directory lists explains the prompt itself (the ``Inspect`` RPC on its own
 store and removal log); the reports are merged block by block: a block hits if some node
 holds it (every holder and the fastest tier are listed), and the chain stops at the first
-block no node holds. That block's reason is the most telling one any node gives (evicted, a
-checksum failure or a removal beats "other namespace", which beats "never stored"), and
-``per_node`` keeps every node's own answer. A member that does not answer, or does not know
-the namespace, is listed in ``skipped`` with why.
+block no node holds. That block's reason is the most telling one any node gives (a put in
+flight, then evicted, a checksum failure, an I/O error or a removal beats "other namespace",
+which beats "never stored"), and ``per_node`` keeps every node's own answer; a node whose
+latest lease of the namespace was refused is listed in ``lease_refused`` with why. A member
+that does not answer, or does not know the namespace, is listed in ``skipped`` with why.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from kvpool.cli.inspect_ops import cluster_nodes, explain_on, resolve_namespace
 from kvpool.core.errors import KVPoolError
 
 TIER_ORDER = ("device", "host", "disk")
-REASON_ORDER = ("evicted", "checksum_failure", "removed", "other_namespace", "never_stored")
+REASON_ORDER = (
+    "put_in_flight",
+    "evicted",
+    "checksum_failure",
+    "io_error",
+    "removed",
+    "other_namespace",
+    "never_stored",
+)
 
 
 def cluster_explain(args: argparse.Namespace, hashes: list[bytes], tokens: list[int]) -> dict[str, Any]:
@@ -89,5 +98,6 @@ def merge_reports(reports: dict[str, dict[str, Any]], skipped: dict[str, str]) -
         "stop_reason": blocks[stop].get("reason") if stop is not None else None,
         "nodes": sorted(reports),
         "skipped": skipped,
+        "lease_refused": {name: r["lease_refused"] for name, r in reports.items() if r.get("lease_refused")},
         "blocks": blocks,
     }

@@ -6,6 +6,8 @@ Each check gives ok / warn / fail / skip, what it found and, unless ok, what to 
   daemon        the daemon at --address answers Stats (and which node it is)
   arena         the arena directory exists, is writable, and is tmpfs with room for capacity
   memory        MemAvailable (plus the running daemon's own arena) covers capacity_bytes
+  arena pages   which pages the running daemon's arena is on (huge or 4 KiB), else whether
+                the host has the huge pages --arena-huge-pages asks for
   disk tier     when configured: the directory is writable and has room for its capacity
   etcd          when configured: each endpoint answers GET /health
   ucx           ucxx imports, and the UCX components it would use (tcp, shared memory, RDMA)
@@ -30,6 +32,7 @@ from kvpool.cli.inspect import address_of, open_admin
 from kvpool.cli.inspect_render import human_bytes, make_console
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError
+from kvpool.storage.arena import HugePageRoom
 
 ETCD_TIMEOUT_S = 2.0
 
@@ -132,6 +135,31 @@ def _memory(config: DaemonConfig, stats: dict[str, Any] | None) -> Check:
     return Check("memory", "ok", detail)
 
 
+def _arena_pages(config: DaemonConfig, stats: dict[str, Any] | None, room: HugePageRoom) -> Check:
+    """Huge pages or 4 KiB pages: what the running daemon got, or what a start would get."""
+    need = room.pages_for(config.store.capacity_bytes)
+    host = f"host: {room.free_pages} of {room.total_pages} huge pages of {human_bytes(room.page_bytes)} free"
+    reserve = (
+        f"reserve them as root: echo {room.total_pages - room.free_pages + need} > /proc/sys/vm/nr_hugepages, "
+        "then restart the daemon with --arena-huge-pages on"
+    )
+    page_bytes = int(stats.get("arena_page_bytes", 0)) if stats else 0
+    asked = str(stats.get("arena_huge_pages", "off")) if stats else config.arena_huge_pages
+    if page_bytes > 4096:
+        return Check("arena pages", "ok", f"the daemon's arena is on huge pages of {human_bytes(page_bytes)}; {host}")
+    if page_bytes:
+        detail = f"the daemon's arena is on 4 KiB pages (--arena-huge-pages {asked}"
+        if asked == "off":
+            return Check("arena pages", "ok", f"{detail}); {host}")
+        return Check("arena pages", "warn", f"{detail} fell back); {host}", reserve)
+    if asked == "off":
+        return Check("arena pages", "ok", f"4 KiB pages (--arena-huge-pages off); {host}")
+    if room.page_bytes and room.free_pages >= need:
+        return Check("arena pages", "ok", f"huge pages: the arena needs {need}; {host}")
+    status = "fail" if asked == "on" else "warn"
+    return Check("arena pages", status, f"the arena needs {need} huge pages; {host}", reserve)
+
+
 def _etcd(endpoints: list[str]) -> Check:
     if not endpoints:
         return Check("etcd", "skip", "not configured (single machine: no etcd needed)")
@@ -183,6 +211,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = [config_check, daemon_check]
     checks.append(_directory("arena", config.arena_dir, config.store.capacity_bytes, running, want_tmpfs=True))
     checks.append(_memory(config, stats))
+    checks.append(_arena_pages(config, stats, HugePageRoom.measure()))
     if config.tiers.disk_dir:
         checks.append(_directory("disk tier", config.tiers.disk_dir, config.tiers.disk_capacity_bytes, running, False))
     else:

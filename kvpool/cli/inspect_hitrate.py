@@ -75,7 +75,7 @@ def plot(path: str, samples: list[dict[str, Any]], title: str) -> None:
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path)
+        fig.savefig(path, format="png")  # exactly PATH (matplotlib would add .png to a name without one)
     except OSError as exc:
         raise BadInput(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
@@ -104,7 +104,11 @@ def view(samples: list[dict[str, Any]]) -> Any:
 
 def do_hitrate(args: argparse.Namespace) -> int:
     from kvpool.cli.inspect_ops import emit
+    from kvpool.cli.paths import unwritable_file
 
+    problem = unwritable_file("--plot", args.plot) if args.plot else ""
+    if problem:  # before the sampling, not after it
+        raise BadInput(problem)
     samples = sample(args)
     if args.plot:
         plot(args.plot, samples, f"kvpool {address_of(args)}: lookup hit rate by tier")

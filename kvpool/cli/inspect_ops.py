@@ -13,7 +13,7 @@ from typing import Any
 from kvpool.cli import inspect_render as render
 from kvpool.cli.inspect import BadInput, address_of, open_admin
 from kvpool.client.admin import PoolAdmin
-from kvpool.core.errors import KVPoolError, PermissionDenied, UnknownNamespace
+from kvpool.core.errors import KVPoolError, PermissionDenied, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
 
 #: most token ids read from a file or stdin (a 1M-token prompt)
@@ -70,7 +70,13 @@ def do_namespaces(args: argparse.Namespace) -> int:
         return emit(args, all_namespaces(admin), render.namespaces_view)
 
 
+def require_limit(args: argparse.Namespace) -> None:
+    if args.limit < 0:
+        raise BadInput(f"--limit must be >= 0 (0 = the default), got {args.limit}")
+
+
 def do_blocks(args: argparse.Namespace) -> int:
+    require_limit(args)
     with open_admin(args, address_of(args)) as admin:
         last_seq, hashes = admin.snapshot()
     shown = [h.hex() for h in hashes[: max(0, args.limit)]]
@@ -121,6 +127,7 @@ def do_events(args: argparse.Namespace) -> int:
 
 
 def do_hot(args: argparse.Namespace) -> int:
+    require_limit(args)
     with open_admin(args, address_of(args)) as admin:
         return emit(args, admin.hot(args.limit), render.hot_view)
 
@@ -155,7 +162,14 @@ def directory_call(args: argparse.Namespace, method: str, request: Any) -> Any:
         stub = directory_pb2_grpc.DirectoryStub(channel)
         return getattr(stub, method)(request, timeout=5.0, metadata=call_metadata(token))
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc, args.directory) from None
+        err = from_rpc_error(exc, args.directory)
+        if isinstance(err, Unavailable) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            err = Unavailable(  # a directory, not a daemon: say which one to start
+                f"the kvpool directory at {args.directory} is not reachable ({exc.details()})",
+                hint=f"start it with 'kvpool directory --listen {args.directory}' (or 'kvpool cluster up'), "
+                "or check --directory",
+            )
+        raise err from None
     finally:
         channel.close()
 

@@ -246,6 +246,13 @@ def reason_text(row: Mapping[str, Any]) -> str:
     reason = row.get("reason", "")
     if reason == "evicted":
         return f"evicted from {row.get('tier', '?')} by {row.get('policy', '?')} {age_text(row.get('age_ms', 0.0))}"
+    if reason == "put_in_flight":
+        return (
+            f"a put of it is in flight (started, not committed): visible at its commit, reclaimed in "
+            f"{row.get('expires_in_ms', 0.0) / 1000:.1f} s if the writer never commits"
+        )
+    if reason == "io_error":
+        return f"dropped from {row.get('tier', '?')} after an I/O error {age_text(row.get('age_ms', 0.0))}"
     if reason == "checksum_failure":
         return f"failed its checksum on {row.get('tier', '?')} and was dropped {age_text(row.get('age_ms', 0.0))}"
     if reason == "removed":
@@ -283,4 +290,18 @@ def lookup_view(report: Mapping[str, Any]) -> Group:
         parts.append(Text(f"the chain stops at block {stop}: {reason_text(report['blocks'][stop])}"))
     else:
         parts.append(Text("every block hits: the whole prompt is cached"))
+    refused = report.get("lease_refused") or {}
+    per_node = refused.items() if "code" not in refused else [(report.get("node_id", ""), refused)]
+    for node, why in per_node:
+        parts.append(Text(f"reads on {node}: {lease_refusal_text(why)}"))
     return Group(*parts)
+
+
+def lease_refusal_text(why: Mapping[str, Any]) -> str:
+    """One line for a lease refusal of ``lookup``'s ``lease_refused``."""
+    if why.get("age_ms") is None:
+        return f"the next lease would be refused ({why['code']}): {why['message']}"
+    return (
+        f"the latest lease was refused {age_text(why['age_ms'])} ({why['code']}): {why['message']}; "
+        "no lease was granted since"
+    )

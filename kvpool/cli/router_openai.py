@@ -27,6 +27,13 @@ def add_openai_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="prefill on the decode instance when at most this many prompt tokens are uncached (default 256)",
     )
+    group.add_argument(
+        "--busy-local-prefill-tokens",
+        type=int,
+        default=None,
+        help="while the decode instance is decoding, prefill there only this many uncached tokens "
+        "(a local prefill stalls every running decode for its duration); default: --local-prefill-tokens",
+    )
     group.add_argument("--route", choices=ROUTE_MODES, default="auto", help="auto | local (always on decode) | remote")
     group.add_argument("--model-name", default="kvpool-demo", help="the model id /v1/models reports")
     group.add_argument("--vocab-size", type=int, default=1024, help="the engines' vocabulary (word tokenizer)")
@@ -34,7 +41,9 @@ def add_openai_arguments(parser: argparse.ArgumentParser) -> None:
 
 def openai_policy(args: argparse.Namespace) -> SplitPolicy | None:
     """The policy of a router with a front door (it decides local vs remote prefill), else None."""
-    return SplitPolicy(args.local_prefill_tokens, args.route) if args.openai_listen else None
+    if not args.openai_listen:
+        return None
+    return SplitPolicy(args.local_prefill_tokens, args.route, args.busy_local_prefill_tokens)
 
 
 def start_openai(args: argparse.Namespace, core: RouterCore) -> FrontDoorServer | None:

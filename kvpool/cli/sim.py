@@ -8,7 +8,9 @@ Time comes from the cost model, never the wall clock: a fixed seed gives identic
 results. Prints a table per policy (hit rate local / pool / peer and its fraction of
 the infinite-cache oracle, rejected requests and input tokens, TTFT mean and
 percentiles, TPOT, SLO attainment, KV bytes moved, decision time); --json for machines;
---plots DIR for PNGs; --goodput to search the highest rate meeting the SLOs.
+--plots DIR for PNGs; --goodput to search the highest rate meeting the SLOs;
+--capacity-curve FILE.png to sweep the global pool's capacity (--capacity-tokens) and draw
+each policy's mean TTFT against it (instead of the one table).
 
 The trace is JSON lines, one request per line (docs/scheduler.md, "Trace format"):
   {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [block ids]}
@@ -20,6 +22,7 @@ examples:
   kvpool sim --limit 2000 --policy kv-centric-noreject,least-loaded,dynamo
   kvpool sim --trace ../shared/data/conversation_trace.jsonl --policy kv-centric-noreject,dynamo --speedup 1.5
   kvpool sim --workload docqa --workload-opt requests=3000 --write-trace docqa.jsonl --no-peer-fetch
+  kvpool sim --limit 2000 --speedup 1.5 --policy least-loaded,kv-centric-noreject --capacity-curve curve.png
 """
 
 from __future__ import annotations
@@ -142,6 +145,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", action="store_true", help="also search each policy's goodput (many replays)")
     parser.add_argument("--plots", metavar="DIR", help="write ttft_cdf.png (and goodput_vs_rate.png) to DIR")
+    parser.add_argument(
+        "--capacity-curve",
+        metavar="FILE.png",
+        help="replay every policy at each --capacity-tokens global pool capacity and draw mean TTFT against it "
+        "to FILE.png (prints the curve's table instead of the one table; overrides --pool-tokens)",
+    )
+    parser.add_argument(
+        "--capacity-tokens",
+        default="0,10M,50M,inf",
+        help="the capacities --capacity-curve sweeps, in tokens (K/M/G suffixes, inf = unbounded; default: "
+        "%(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -166,6 +181,17 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     args.trace = trace_path
+    from kvpool.cli import sim_capacity
+
+    try:
+        capacities = sim_capacity.parse_capacities(args.capacity_tokens) if args.capacity_curve else []
+    except ValueError as exc:
+        print(f"kvpool sim: --capacity-tokens: {exc}", file=sys.stderr)
+        return 2
+    unwritable = _unwritable_outputs(args)  # before the replays, not after minutes of them
+    if unwritable:
+        print(f"kvpool sim: {unwritable}", file=sys.stderr)
+        return 2
     try:
         if args.policy == "all-pd":
             names = list(PD_POLICIES)
@@ -207,6 +233,17 @@ def run(args: argparse.Namespace) -> int:
         work = Workload.of(trace)
         progress = not args.no_progress
         rows, outs, goodputs = [], {}, {}
+        if capacities:  # the sweep: capacity-major, every policy at each capacity
+            sweep = []
+            for cap in capacities:
+                spec_at = cluster_from_preset(node, **{**overrides, "pool_blocks": None if cap is None else cap // 512})
+                for name in names:
+                    summary, _ = run_policy(
+                        work, spec_at, cost, name, slo, speedup=args.speedup, seed=args.seed, progress=progress
+                    )
+                    sweep.append(summary)
+            curve = sim_capacity.capacity_table(capacities, names, sweep)
+            names = []  # no second replay of the one table
         for name in names:
             summary, out = run_policy(
                 work, spec, cost, name, slo, speedup=args.speedup, seed=args.seed, progress=progress
@@ -218,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     except KVPoolError as exc:
         print(f"kvpool sim: {exc}", file=sys.stderr)
         return 2
+    if capacities:
+        return _capacity_output(args, curve, len(work.trace))
     if args.plots:
         from kvpool.scheduler import plots
 
@@ -242,3 +281,32 @@ def run(args: argparse.Namespace) -> int:
         for name, (rps, _) in goodputs.items():
             print(f"goodput {name}: {rps:.2f} req/s")
     return 0
+
+
+def _capacity_output(args: argparse.Namespace, curve: dict[str, object], requests: int) -> int:
+    from kvpool.cli import sim_capacity
+
+    sim_capacity.plot(args.capacity_curve, curve)
+    if args.json:
+        doc = {"trace": args.trace, "requests": requests, "speedup": args.speedup, "capacity_curve": curve}
+        print(json.dumps(_finite(doc), indent=1, default=str, allow_nan=False))
+    else:
+        print(sim_capacity.table_text(curve))
+        print(f"capacity curve: {args.capacity_curve}")
+    return 0
+
+
+def _unwritable_outputs(args: argparse.Namespace) -> str:
+    """Why --plots DIR / --capacity-curve FILE / --write-trace FILE cannot be written, or ""."""
+    if args.plots:
+        try:
+            pathlib.Path(args.plots).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--plots {args.plots}: cannot create the directory ({exc.strerror})"
+    from kvpool.cli.paths import unwritable_file
+
+    for flag, path in (("--capacity-curve", args.capacity_curve), ("--write-trace", args.write_trace)):
+        problem = unwritable_file(flag, path) if path else ""
+        if problem:
+            return problem
+    return ""

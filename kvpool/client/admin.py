@@ -94,8 +94,10 @@ class PoolAdmin:
 
     def explain(self, namespace: bytes, hashes: Sequence[bytes] = (), token_ids: Sequence[int] = ()) -> dict[str, Any]:
         """Why a prompt hits or misses on this node (an admin view, ``kvpool inspect lookup``):
-        per block hit / miss with its tier, and why the chain stops (evicted by which policy and
-        when, checksum failure, removed, other namespace, never stored). Give ``hashes`` of
+        per block hit / miss with its tier, and why the chain stops (a put in flight, evicted by
+        which policy and when, a checksum failure or I/O error and the tier that found it,
+        removed, other namespace, never stored), and ``lease_refused``: why the namespace's
+        latest lease was refused (TENANT_BUSY, PERMISSION_DENIED, max_leases, ...). Give ``hashes`` of
         ``namespace``'s chain or its ``token_ids`` (hashed by the daemon with the namespace's
         spec). Does not count as a lookup. Keys of the reply: ``kvpool.daemon.introspect``."""
         request = pool_pb2.InspectRequest(

@@ -174,6 +174,10 @@ class DaemonConfig:
     # how same-host clients get the arena: "file" (a 0600 file in arena_dir, opened by path),
     # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
     arena_handoff: str = "auto"
+    # the arena's pages: "off" (4 KiB shared memory), "on" (reserved huge pages, MFD_HUGETLB;
+    # refuse to start without them), "try" (huge pages where the host has enough, else 4 KiB
+    # with a warning). Huge pages need the memfd hand-off ("auto" becomes fd): storage/arena.py
+    arena_huge_pages: str = "off"
     # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md). Not loopback needs ``insecure``.
     metrics_listen: str = ""
     # file mode of the hand-off socket, octal: 0o600 admits only the daemon's uid; 0o666 lets
@@ -218,6 +222,13 @@ class DaemonConfig:
             raise InvalidArgument(f"protect_process {self.protect_process!r} is not 'auto', 'on' or 'off'")
         if self.arena_handoff not in ("auto", "file", "fd"):
             raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
+        if self.arena_huge_pages not in ("off", "on", "try"):
+            raise InvalidArgument(f"arena_huge_pages {self.arena_huge_pages!r} is not 'off', 'on' or 'try'")
+        if self.arena_huge_pages == "on" and self.arena_handoff == "file":
+            raise InvalidArgument(
+                "--arena-huge-pages on needs the memfd hand-off: a huge-page arena has no file in --arena-dir",
+                hint="use --arena-handoff fd (or auto), or --arena-huge-pages try to fall back to 4 KiB pages",
+            )
         if self.metrics_listen:
             host, _, port = self.metrics_listen.rpartition(":")
             if not host or not port.isdigit():
@@ -266,8 +277,11 @@ class DaemonConfig:
 
     @property
     def arena_by_fd(self) -> bool:
-        """Whether the arena is a memfd handed to admitted clients (docs/security.md)."""
-        return self.arena_handoff == "fd" or (self.arena_handoff == "auto" and bool(self.credentials_file))
+        """Whether the arena is a memfd handed to admitted clients (docs/security.md): "auto"
+        is fd with credentials, and with huge pages (a hugetlb memfd has no file to open)."""
+        if self.arena_handoff == "auto":
+            return bool(self.credentials_file) or self.arena_huge_pages != "off"
+        return self.arena_handoff == "fd"
 
     @property
     def admin_enabled(self) -> bool:

@@ -5,13 +5,19 @@ Guarantees (tests/unit/test_daemon_block_history.py, a hypothesis property test 
 - ``RemovalLog`` keeps at most ``capacity`` records, the most recent removals; a block stored
   again loses its record (it is back, so nothing needs explaining); a block removed twice keeps
   the latest. Each record says how it went: ``evicted`` (by the tier's policy, naming it),
-  ``checksum_failure`` (dropped after a failed check), ``removed`` (a client's Remove, or
+  ``checksum_failure`` (dropped after a failed check, on the tier that found it),
+  ``io_error`` (the disk failed to read or write it), ``removed`` (a client's Remove, or
   ``kvpool inspect evict`` / ``clear``), and when (the node's clock, reported as an age).
 - ``HotBlocks`` counts reads of at most ``capacity`` blocks and prefixes (after every read).
   When over, it halves every count and drops those that reach zero, again until under
   (amortised O(1) per read; blocks read often stay,
   one-off reads fall out), so the counts are a decayed popularity, not exact totals (docs say so).
   One read counts at most ``MAX_KEYS_PER_READ`` of its leading blocks.
+
+- ``LeaseRefusals`` keeps, per namespace (at most ``capacity`` namespaces, least recently
+  refused forgotten first), the latest lease this node refused or cut short and why (an
+  error code's name, or ``NOT_PROMOTED``), until a lease of that namespace is granted again,
+  so a lookup that hits can still say why the reader got nothing.
 
 Nothing here is on the byte path: the node calls ``on_removed`` from its event sink and
 ``on_read`` after granting a lease, each an O(blocks) dict update under one lock.
@@ -31,7 +37,16 @@ HOT_CAPACITY = 4_096
 #: leading blocks of one read that are counted (a read's prefix is where sharing happens)
 MAX_KEYS_PER_READ = 64
 
-REASONS = ("evicted", "checksum_failure", "removed")
+REASONS = ("evicted", "checksum_failure", "io_error", "removed")
+#: namespaces whose latest lease refusal is kept
+LEASE_REFUSAL_CAPACITY = 1_024
+#: longest refusal message kept (a message names the namespace and the limit it hit)
+MAX_REFUSAL_MESSAGE_CHARS = 300
+#: why a lease was refused: an error code's name (TENANT_BUSY, PERMISSION_DENIED,
+#: UNKNOWN_NAMESPACE, CAPACITY_EXHAUSTED for max_leases, INVALID_ARGUMENT for a batch past
+#: max_batch_blocks, ...), or NOT_PROMOTED: a block held on disk / in HBM that host had no
+#: room to take (host full of leased or pinned blocks, or the namespace's or tenant's quota)
+NOT_PROMOTED = "NOT_PROMOTED"
 
 
 @dataclass(frozen=True)
@@ -112,3 +127,48 @@ class HotBlocks:
         with self._lock:
             items = sorted(self._prefixes.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
         return [(k, reads, longest) for k, (reads, longest) in items]
+
+
+@dataclass(frozen=True)
+class LeaseRefusal:
+    """The latest lease of a namespace this node refused (``code``: an error code's name or
+    ``NOT_PROMOTED``), what it said, at ``at_ms`` on the node's clock."""
+
+    code: str
+    message: str
+    at_ms: float
+
+
+class LeaseRefusals:
+    def __init__(self, capacity: int = LEASE_REFUSAL_CAPACITY) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._records: collections.OrderedDict[bytes, LeaseRefusal] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.recorded = 0
+
+    def note(self, namespace: bytes, code: str, message: str, at_ms: float) -> None:
+        refusal = LeaseRefusal(code, message[:MAX_REFUSAL_MESSAGE_CHARS], at_ms)
+        with self._lock:
+            self._records.pop(namespace, None)
+            self._records[namespace] = refusal
+            self.recorded += 1
+            while len(self._records) > self.capacity:
+                self._records.popitem(last=False)
+
+    def on_granted(self, namespace: bytes) -> None:
+        """A lease of ``namespace`` was granted: its readers are served again (a retry after
+        TENANT_BUSY succeeded), so its refusal no longer explains anything."""
+        if not self._records:  # the common case: nothing refused, no lock taken
+            return
+        with self._lock:
+            self._records.pop(namespace, None)
+
+    def get(self, namespace: bytes) -> LeaseRefusal | None:
+        with self._lock:
+            return self._records.get(namespace)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)

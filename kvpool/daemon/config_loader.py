@@ -296,6 +296,16 @@ OPTIONS: list[Option] = [
         "client holds a put), 'auto' (fd when --credentials is set).",
     ),
     Option(
+        "--arena-huge-pages",
+        "arena_huge_pages",
+        str,
+        "put the arena on the host's reserved huge pages (MFD_HUGETLB; reserve them as root: "
+        "echo N > /proc/sys/vm/nr_hugepages, N = capacity / 2 MiB): 'on' (refuse to start without "
+        "enough free), 'try' (fall back to 4 KiB pages with a warning), 'off'. Copies out of a "
+        "huge-page arena run at private-memory speed; a put's writable window then covers whole "
+        "2 MiB pages. Needs the memfd hand-off ('auto' becomes fd). See docs/tiers.md.",
+    ),
+    Option(
         "--arena-socket-mode",
         "arena_socket_mode",
         parse_octal,

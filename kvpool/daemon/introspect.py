@@ -5,15 +5,24 @@ RPC, an admin view): answers built from the store and the node's bounded block h
 ``explain``: for each block of the chain, ``hit`` (with the fastest tier holding it, its pins
 and leases) or ``miss``; the chain a prefix cache can use stops at the first miss, and that
 block gets a reason, first match wins:
+  - ``put_in_flight``     a put of it has started (PutStart) and not committed yet: it
+                          becomes visible at commit, or is reclaimed at ``expires_in_ms``;
   - ``evicted``           the node evicted it (tier, policy, how long ago);
-  - ``checksum_failure``  it failed its checksum and was dropped (how long ago);
+  - ``checksum_failure``  it failed its checksum and was dropped (the tier that found it:
+                          host, disk or device; how long ago);
+  - ``io_error``          the disk failed to read or write it and dropped it;
   - ``removed``           a client or an operator removed it (how long ago);
   - ``other_namespace``   the same hash is stored under another namespace (different model,
                           layout, tenant salt or adapter: blocks never match across them);
   - ``never_stored``      none of the above: never stored here, or removed longer ago than the
                           removal log remembers (its size is in the reply).
-A hit whose lease would be refused (the node holds ``max_leases`` leases) says so. An
-explain is not a lookup: it does not enter the hit-rate counters.
+Blocks that hit can still reach no reader: ``lease_refused`` names why this namespace's
+latest lease was refused or cut short, as it happened (``LeaseRefusals``: TENANT_BUSY,
+PERMISSION_DENIED, UNKNOWN_NAMESPACE, INVALID_ARGUMENT past max_batch_blocks,
+CAPACITY_EXHAUSTED at max_leases, NOT_PROMOTED for a disk / HBM block host could not take),
+until a lease is granted again; and when the node holds ``max_leases`` leases right now, the
+next lease would be refused, which it says too. An explain is not a lookup: it does not
+enter the hit-rate counters.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ def explain(node: PoolNode, info: NamespaceInfo, hashes: list[bytes]) -> dict[st
     keys = block_keys(info.digest, hashes)
     now_ms = node._clock.now_ms()
     summary = node.store.summary()
-    leases_full = summary.get("leases_active", 0) >= node.config.store.max_leases
+    lease_refused = _lease_refused(node, info.digest, summary.get("leases_active", 0), now_ms)
     blocks: list[dict[str, Any]] = []
     stop: int | None = None
     for i, key in enumerate(keys):
@@ -49,12 +58,15 @@ def explain(node: PoolNode, info: NamespaceInfo, hashes: list[bytes]) -> dict[st
             entry = node.store.entry(key)
             if entry is not None and tier == "host":
                 row.update(leases=entry.leases, hard_pin=entry.hard_pin, soft_pin=entry.soft_pin_until_ms > now_ms)
-            if leases_full and stop is None:
-                row["lease"] = "refused: the node holds max_leases read leases (--max-leases); retry shortly"
+            if lease_refused is not None and stop is None:
+                row["lease"] = f"refused: {lease_refused['code']}"
         else:
             row["status"] = "miss"
             removal = node.removals.get(key)
-            if removal is not None:
+            deadline_ms = node.store.put_in_flight(key)
+            if deadline_ms is not None:
+                row.update(reason="put_in_flight", expires_in_ms=round(max(0.0, deadline_ms - now_ms), 1))
+            elif removal is not None:
                 row.update(reason=removal.reason, tier=removal.tier, age_ms=round(now_ms - removal.at_ms, 1))
                 if removal.policy:
                     row["policy"] = removal.policy
@@ -78,10 +90,28 @@ def explain(node: PoolNode, info: NamespaceInfo, hashes: list[bytes]) -> dict[st
         "hit_tokens": hits * info.spec.block_tokens,
         "stopped_at": stop,
         "stop_reason": blocks[stop].get("reason") if stop is not None else None,
+        "lease_refused": lease_refused,
         "removal_log_blocks": len(node.removals),
         "removal_log_capacity": node.removals.capacity,
         "blocks": blocks,
     }
+
+
+def _lease_refused(node: PoolNode, namespace: bytes, leases_active: int, now_ms: float) -> dict[str, Any] | None:
+    """Why a reader of ``namespace`` gets (or would get) no lease: the latest refusal the
+    node recorded, else max_leases reached right now, else None."""
+    refusal = node.lease_refusals.get(namespace)
+    if refusal is not None:
+        return {"code": refusal.code, "message": refusal.message, "age_ms": round(now_ms - refusal.at_ms, 1)}
+    limit = node.config.store.max_leases
+    if leases_active >= limit:
+        return {
+            "code": "CAPACITY_EXHAUSTED",
+            "message": f"the node holds {leases_active} read leases (max_leases {limit}): the next lease is refused "
+            "until some are released or expire (--max-leases)",
+            "age_ms": None,
+        }
+    return None
 
 
 def _other_namespaces(node: PoolNode, own: bytes, block_hash: bytes) -> list[bytes]:

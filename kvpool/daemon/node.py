@@ -25,14 +25,15 @@ from kvpool.core.events import EventKind
 from kvpool.core.hashing import HASH_SCHEME
 from kvpool.core.keys import NAMESPACE_BYTES, group_by_namespace, key_namespace
 from kvpool.core.spec import KVSpec
-from kvpool.daemon.block_history import HotBlocks, Removal, RemovalLog
+from kvpool.daemon.block_history import NOT_PROMOTED, HotBlocks, LeaseRefusals, Removal, RemovalLog
 from kvpool.daemon.counters import TrafficCounters
 from kvpool.daemon.event_log import EventLog
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.allocator import check_block_fits
-from kvpool.storage.arena import SharedArena
+from kvpool.storage.arena import HugePagesUnavailable, SharedArena
 from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
+from kvpool.storage.tiered_store import TieredStore
 
 log = logging.getLogger("kvpool.node")
 
@@ -54,6 +55,25 @@ class NamespaceInfo:
     spec: KVSpec
 
 
+def create_arena(config: DaemonConfig) -> SharedArena:
+    """The node's arena as ``config`` asks: a memfd handed to admitted clients or a file in
+    ``arena_dir``; on reserved huge pages with ``arena_huge_pages`` on / try ("try" falls
+    back to 4 KiB pages with a warning that says how to reserve them)."""
+    capacity, overcommit, huge = config.store.capacity_bytes, config.store.allow_overcommit, config.arena_huge_pages
+    if not config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
+        if huge == "try":
+            log.warning("arena: 4 KiB pages (--arena-huge-pages try needs --arena-handoff fd or auto)")
+        return SharedArena.create(config.arena_dir, capacity, allow_overcommit=overcommit)
+    if huge != "off":
+        try:
+            return SharedArena.create_memfd(capacity, huge_pages=True)
+        except HugePagesUnavailable as err:
+            if huge == "on":
+                raise
+            log.warning("arena: 4 KiB pages, not huge pages: %s (%s)", err.message, err.hint)
+    return SharedArena.create_memfd(capacity, allow_overcommit=overcommit)
+
+
 class PoolNode:
     def __init__(self, config: DaemonConfig, clock: Clock) -> None:
         self.config = config
@@ -62,11 +82,7 @@ class PoolNode:
         self.events = EventLog(self.node_id)
         for stale in SharedArena.reap_stale(config.arena_dir):
             log.warning("removed the arena %s of a daemon that died without cleaning up", stale)
-        overcommit = config.store.allow_overcommit
-        if config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
-            self.arena = SharedArena.create_memfd(config.store.capacity_bytes, allow_overcommit=overcommit)
-        else:
-            self.arena = SharedArena.create(config.arena_dir, config.store.capacity_bytes, allow_overcommit=overcommit)
+        self.arena = create_arena(config)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._last_used_ms: dict[bytes, float] = {}  # namespace -> last call that named it
         self._ns_lock = threading.Lock()
@@ -76,21 +92,33 @@ class PoolNode:
         # bounded records for kvpool inspect lookup / hot (kvpool.daemon.block_history)
         self.removals = RemovalLog()
         self.hot = HotBlocks()
+        self.lease_refusals = LeaseRefusals()
         self._why = threading.local()  # the reason of a removal this thread is making
         # a flood of Hellos must not flood the log: one line per interval, with a count
         self._registered_log = RateLimitedLog(log, REGISTER_LOG_INTERVAL_S, level=logging.INFO)
         self.store = build_node_store(config, self.arena.view, clock, self._on_event, capability_id)
-        log.info("node %s: arena %s (%d bytes)", self.node_id, self.arena.path, self.arena.capacity_bytes)
+        log.info(
+            "node %s: arena %s (%d bytes, %d-byte pages)",
+            self.node_id,
+            self.arena.path or "memfd",
+            self.arena.capacity_bytes,
+            self.arena.page_bytes,
+        )
 
-    def _on_event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", /) -> None:
+    def _on_event(
+        self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "", /
+    ) -> None:
         """The store's events name block keys; subscribers get one event per namespace with
         its 16-byte hashes (each key carries its namespace, even where a lower tier reports
-        a removal without one)."""
+        a removal without one). A removal is recorded with the store's ``cause`` (a lower
+        tier's checksum failure or I/O error), else the reason of the call this thread is
+        making (a client's remove, a reported corrupt block), else as an eviction."""
         for ns, hashes in group_by_namespace(keys).items():
             info = self._namespaces.get(ns)
             self.events.append(kind, hashes, ns, info.spec.block_tokens if info else 0, tier=tier)
         if kind is EventKind.REMOVED:
-            reason = getattr(self._why, "reason", "evicted")  # what the store does on its own is evicting
+            # what the store does on its own is evicting
+            reason = cause or getattr(self._why, "reason", "evicted")
             policy = self.tier_policy(tier) if reason == "evicted" else ""
             self.removals.on_removed(keys, Removal(reason, tier, policy, self._clock.now_ms()))
         elif kind is EventKind.STORED:
@@ -201,7 +229,17 @@ class PoolNode:
         """Lease the leading blocks of ``keys`` for a reader, counted as one read."""
         grant = self.store.lease(keys)
         self.count_read(info.digest, len(grant.locations), len(keys), keys[: len(grant.locations)])
+        self.lease_refusals.on_granted(info.digest)
+        if isinstance(self.store, TieredStore) and len(grant.locations) < len(keys):
+            refusal = self.store.promotion_refusal()
+            if refusal:  # held on a lower tier, but host could not take it: the reader missed it
+                self.note_lease_refused(info.digest, NOT_PROMOTED, refusal)
         return grant
+
+    def note_lease_refused(self, namespace: bytes, code: str, message: str) -> None:
+        """Remember why a lease of ``namespace`` was refused (or cut short), for ``kvpool
+        inspect lookup``: a prompt whose blocks are all here can still miss at read time."""
+        self.lease_refusals.note(namespace, code, message, self._clock.now_ms())
 
     def count_read(
         self, namespace: bytes, served_blocks: int, asked_blocks: int, served_keys: Sequence[bytes] = ()

@@ -44,7 +44,7 @@ import grpc
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
-from kvpool.core.keys import BlockKeys, hashes_of, key_hash
+from kvpool.core.keys import NAMESPACE_BYTES, BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
 from kvpool.daemon.fairness import TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
@@ -102,6 +102,11 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
                 # the blocks it walked, billed now that they are known (fairness.TenantGate.charge)
                 self.gate.charge(tenant, self._walk_units(request, units))
                 return reply
+            except KVPoolError as err:
+                if method.__name__ == "Lease":  # why a reader got nothing: kvpool inspect lookup says
+                    namespace = bytes(request.namespace)[:NAMESPACE_BYTES]
+                    self.node.note_lease_refused(namespace, err.code.name, err.message)
+                raise
             finally:
                 self._current.context = self._current.principal = None
 
@@ -376,8 +381,14 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary: dict[str, Any] = dict(self.node.store.summary())
         summary["node_id"] = self.node.node_id
         summary["arena_path"] = self.node.arena.path
+        summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
+        summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
+        host_policy = self.node.tier_policy("host")  # the host store does not know its policy's name
+        summary["policy"] = host_policy
+        if isinstance(summary.get("tiers"), dict) and isinstance(summary["tiers"].get("host"), dict):
+            summary["tiers"]["host"].setdefault("policy", host_policy)
         summary.update(self.node.counters.summary())
         summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (fairness.py)
         summary["tenant_calls_refused"] = self.gate.refused

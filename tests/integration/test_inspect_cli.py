@@ -21,7 +21,6 @@ from kvpool import KVSpec, PoolClient
 from kvpool.core.auth import token_sha256
 from kvpool.core.hashing import pack_hashes
 from kvpool.core.spec import Namespace
-from kvpool.daemon.cluster_local import LocalCluster
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 
 SPEC = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
@@ -74,7 +73,7 @@ def test_views_stats_tiers_namespaces_nodes_blocks_hot(pool_daemon: DaemonHandle
     stats = inspect_json("stats", *a)
     assert stats["blocks"] == 4 and stats["puts"] == 4
     tiers = inspect_json("tiers", *a)
-    assert tiers["host"]["blocks"] == 4
+    assert tiers["host"]["blocks"] == 4 and tiers["host"]["policy"] == "lru"
     namespaces = inspect_json("namespaces", *a)
     assert [ns["digest"] for ns in namespaces] == [digest] and namespaces[0]["used_bytes"] == 4 * SPEC.block_bytes
     nodes = inspect_json("nodes", *a)
@@ -218,6 +217,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(pool_daemon: DaemonHandle, tm
     dead = f"127.0.0.1:{free_port()}"
     one_clear_line(inspect("stats", "--address", dead), 1, dead, "UNAVAILABLE")
     one_clear_line(inspect("events", "--address", dead), 1, dead)
+    one_clear_line(inspect("nodes", "--directory", dead), 1, f"the kvpool directory at {dead}", "kvpool directory")
     bad = tmp_path / "bad.txt"
     bad.write_text("1 2 three")
     with PoolClient.connect(pool_daemon.address, SPEC) as client:
@@ -229,6 +229,10 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(pool_daemon: DaemonHandle, tm
     one_clear_line(inspect("lookup", "--text", "hello", *a), 2, "--tokenizer")
     one_clear_line(inspect("evict", "--hashes", "zz", *a), 2, "--hashes")
     one_clear_line(inspect("pin", "--hashes", "00" * 16, "--ttl-ms", "0", *a), 2, "--ttl-ms")
+    one_clear_line(inspect("hot", "--limit", "-5", *a), 2, "--limit must be >= 0")
+    one_clear_line(inspect("blocks", "--limit", "-1", *a), 2, "--limit must be >= 0")
+    one_clear_line(inspect("hitrate", "--plot", str(tmp_path), *a), 2, "is a directory")
+    one_clear_line(inspect("hitrate", "--plot", str(tmp_path / "no" / "x.png"), *a), 2, "no directory")
 
 
 TOKEN_ADMIN = "kvp_inspect-admin-token"
@@ -282,14 +286,6 @@ def test_doctor_checks_and_says_what_to_fix(pool_daemon: DaemonHandle, tmp_path:
     done = inspect("doctor", "--config", str(broken), "--json", "--address", pool_daemon.address)
     config_check = next(c for c in json.loads(done.stdout) if c["name"] == "config")
     assert done.returncode == 1 and config_check["status"] == "fail" and "capacity_bytes" in config_check["detail"]
-
-
-@pytest.fixture
-def three_nodes(tmp_path: Path) -> Any:
-    with LocalCluster(str(tmp_path)) as cluster:
-        directory = cluster.start_directory(etcd=False)
-        nodes = [cluster.start_node(name, [directory.address], etcd=False) for name in ("node-a", "node-b", "node-c")]
-        yield directory.address, [n.address for n in nodes]
 
 
 def test_cluster_nodes_and_a_lookup_across_three_nodes(three_nodes: Any, tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """``kvpool top`` in a real pseudo-terminal against a real daemon: it takes the alternate
 screen, redraws in place (cursor home, no scrolling log), shows the node, its tiers and hit
-rate, and quits on ``q`` or Ctrl-C, restoring the screen. Piped, it prints plain frames."""
+rate, and quits on ``q`` or Ctrl-C, restoring the screen. Piped, it prints plain frames.
+With ``--directory`` against a real 3-node cluster it shows every member, refreshes, quits on
+``q`` with exit 0 and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import termios
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,11 +36,12 @@ def _own_terminal() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def start_top(address: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_top(*target: str) -> tuple[subprocess.Popen[bytes], int]:
+    """``kvpool top`` with ``target`` (``--address A`` or ``--directory D``) on a new pty."""
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {"COLUMNS": "160", "LINES": "50"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "top", "--address", address, "--interval-s", "0.2"],
+        [sys.executable, "-m", "kvpool.cli.main", "top", *target, "--interval-s", "0.2"],
         cwd=REPO_ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=_own_terminal,
     )  # fmt: skip
     os.close(slave)
@@ -77,7 +81,7 @@ def test_top_redraws_in_place_and_quits(pool_daemon: DaemonHandle, quit_key: byt
         hashes = client.hashes(list(range(16 * 4)))
         client.put(hashes[:3], np.zeros((3, *SPEC.block_shape), dtype=np.float16))
         client.lookup(hashes)  # 3 of 4 blocks
-    proc, master = start_top(pool_daemon.address)
+    proc, master = start_top("--address", pool_daemon.address)
     screen = bytearray()
     try:
         read_until(master, lambda s: s.count(b"kvpool top") >= 3, screen)  # three refreshes
@@ -104,3 +108,29 @@ def test_top_piped_prints_plain_frames(pool_daemon: DaemonHandle) -> None:
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 and all("lookup hit rate n/a" in line for line in lines)
     assert "\x1b" not in done.stdout
+
+
+@pytest.mark.timeout(180)
+def test_top_of_a_three_node_cluster_refreshes_and_quits_leaving_nothing(three_nodes: Any) -> None:
+    directory, (a, b, _) = three_nodes
+    with PoolClient.connect(a, SPEC) as on_a, PoolClient.connect(b, SPEC) as on_b:
+        hashes = on_a.hashes(list(range(16 * 4)))
+        on_a.put(hashes[:2], np.zeros((2, *SPEC.block_shape), dtype=np.float16))
+        on_b.put(hashes[:1], np.zeros((1, *SPEC.block_shape), dtype=np.float16))
+    proc, master = start_top("--directory", directory)
+    screen = bytearray()
+    try:
+        read_until(master, lambda s: s.count(b"kvpool top") >= 3, screen)  # three refreshes
+        assert ALT_SCREEN_ON in screen
+        text = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", bytes(screen))
+        assert all(name in text for name in (b"node-a", b"node-b", b"node-c")), text[-3000:]
+        os.write(master, b"q")
+        assert drain_until_exit(proc, master, screen) == 0
+        assert ALT_SCREEN_OFF in screen[screen.rindex(b"kvpool top") :]
+        with pytest.raises(ProcessLookupError):  # top's session (it ran as its leader) is empty
+            os.killpg(proc.pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        os.close(master)

@@ -91,4 +91,5 @@ def test_read_stops_at_the_first_corrupt_block() -> None:
     dst = np.zeros_like(src)
     assert read_rows(arena, dst, offsets, sums, "test") == 1
     assert np.array_equal(dst[0], src[0])
-    assert not dst[2].any()  # nothing after the bad block was copied
+    # block 2 may have been copied with its run (adjacent blocks move in one call), but it is
+    # not counted as read: get_into's rows past the count are "untouched or partially written"

@@ -1,13 +1,14 @@
 """The daemon's bounded block history (``kvpool.daemon.block_history``): the removal log keeps
 the latest removals up to its capacity and forgets a block stored again; the hot counters stay
-bounded and keep a block read often above one-off reads."""
+bounded and keep a block read often above one-off reads; the lease refusals keep each
+namespace's latest refusal, bounded, until a lease is granted."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.daemon.block_history import HotBlocks, Removal, RemovalLog
+from kvpool.daemon.block_history import MAX_REFUSAL_MESSAGE_CHARS, HotBlocks, LeaseRefusals, Removal, RemovalLog
 
 KEYS = st.binary(min_size=2, max_size=2)
 OPS = st.lists(st.tuples(st.sampled_from(["removed", "stored"]), st.lists(KEYS, max_size=4)), max_size=60)
@@ -61,3 +62,29 @@ def test_a_block_read_often_outlasts_one_off_reads() -> None:
     assert top[0][0] == b"system-prompt" and top[0][1] > 1
     prefix, reads, longest = hot.top_prefixes(1)[0]
     assert prefix == b"system-prompt" and reads > 1 and longest == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["refused", "granted"]), KEYS, st.sampled_from(["TENANT_BUSY", "X"])),
+                 max_size=60),
+    capacity=st.integers(1, 8),
+)  # fmt: skip
+def test_lease_refusals_match_a_model(ops: list[tuple[str, bytes, str]], capacity: int) -> None:
+    refusals = LeaseRefusals(capacity)
+    model: dict[bytes, tuple[str, float]] = {}  # insertion order = refusal order, latest last
+    for at, (kind, namespace, code) in enumerate(ops):
+        if kind == "refused":
+            refusals.note(namespace, code, "m" * 500, float(at))
+            model.pop(namespace, None)
+            model[namespace] = (code, float(at))
+            while len(model) > capacity:
+                del model[next(iter(model))]
+        else:
+            refusals.on_granted(namespace)
+            model.pop(namespace, None)
+        assert len(refusals) == len(model) <= capacity
+    for namespace, (code, at) in model.items():
+        got = refusals.get(namespace)
+        assert got is not None and (got.code, got.at_ms) == (code, at)
+        assert len(got.message) == MAX_REFUSAL_MESSAGE_CHARS

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvpool.cli.demo_bench import REF_BLOCK_TOKENS, Outcome, conversation_workload, mixed_workload, summarize
 from kvpool.core.clock import FakeClock
+from kvpool.core.errors import InvalidArgument
 from kvpool.core.events import EventKind, KVEvent
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
@@ -22,7 +23,7 @@ from kvpool.daemon.supervise import process_start_ticks, same_process_alive
 from kvpool.scheduler.cluster import ClusterSpec
 from kvpool.scheduler.cost_model import get_preset
 from kvpool.scheduler.router_core import RouterCore, WorkerLoad
-from kvpool.scheduler.router_openai import SplitPolicy
+from kvpool.scheduler.router_openai import FrontDoor, Instance, SplitPolicy
 
 SPEC = KVSpec(model="tiny", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32", block_tokens=32)
 NS = Namespace(SPEC, b"demo")
@@ -73,6 +74,35 @@ def test_split_policy_short_or_cached_local_long_remote_down_skipped() -> None:
     policy.mode = "auto"
     r = c.route(c.request_from(short, None, 0, 8, None))
     assert r.decision.rejected and "no decode instance" in r.decision.reason
+
+
+def test_split_policy_keeps_long_local_prefills_off_a_decoding_instance() -> None:
+    policy = SplitPolicy(local_prefill_tokens=128, busy_local_prefill_tokens=32)
+    c = core(policy, decode=1)
+    tiny, short = list(range(4, 34)), list(range(4, 84))  # 30 and 80 uncached tokens
+    assert c.route(c.request_from(short, None, 0, 8, None)).decision.prefill_kind == "decode_local"  # idle
+    c.report(WorkerLoad("decode-0", active_requests=2))
+    r = c.route(c.request_from(short, None, 0, 8, None))
+    assert r.decision.prefill_kind == "instance" and "2 decoding there" in r.decision.reason
+    assert c.route(c.request_from(tiny, None, 0, 8, None)).decision.prefill_kind == "decode_local"
+    c.report(WorkerLoad("decode-0", active_requests=0))
+    assert c.route(c.request_from(short, None, 0, 8, None)).decision.prefill_kind == "decode_local"
+    with pytest.raises(InvalidArgument):
+        SplitPolicy(128, busy_local_prefill_tokens=-1)
+
+
+def test_front_door_reports_context_tokens_with_the_active_count() -> None:
+    """The front door's load report replaces what the router charged at placement: it must carry
+    the context tokens in flight too, or the least-loaded tie-break sees 0 after every report."""
+    policy = SplitPolicy(local_prefill_tokens=128)
+    c = core(policy, decode=1)
+    door = FrontDoor(c, policy, [Instance("decode-0", "http://127.0.0.1:9")], WordTokenizer(16), "m")
+    m = c.names.index("decode-0")
+    door._busy(door.instances["decode-0"], 1, 300)
+    door._busy(door.instances["decode-0"], 1, 40)
+    assert (int(c.state.decode_active[m]), int(c.state.decode_context_tokens[m])) == (2, 340)
+    door._busy(door.instances["decode-0"], -1, 300)
+    assert (int(c.state.decode_active[m]), int(c.state.decode_context_tokens[m])) == (1, 40)
 
 
 def test_conversation_slice_keeps_shared_prefixes_and_its_oracle(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ class Store:
         self.events: list[tuple[EventKind, bytes, str]] = []
         self.store = TieredStore(self.buffer, HOST, tiers, FakeClock(), on_event=self._event, device_allow_cpu=True)
 
-    def _event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
+    def _event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "") -> None:
         self.events.extend((kind, k, tier) for k in keys)
 
     def put(self, ids: list[int]) -> None:

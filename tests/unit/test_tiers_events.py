@@ -133,7 +133,7 @@ def test_a_block_left_only_in_hbm_is_stored_on_device_then_back_on_host() -> Non
     pytest.importorskip("torch")
     events: list[tuple[EventKind, bytes, str]] = []
 
-    def sink(kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
+    def sink(kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "") -> None:
         events.extend((kind, k, tier) for k in keys)
 
     buffer = np.zeros(HOST.capacity_bytes, np.uint8)

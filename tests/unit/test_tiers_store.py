@@ -42,7 +42,7 @@ class Harness:
         )
         self.store = TieredStore(self.buffer, HOST, tiers, FakeClock(), on_event=self._event, device_allow_cpu=True)
 
-    def _event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
+    def _event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "") -> None:
         self.events.append((kind, list(keys)))
         self.tiers.extend((kind, k, tier) for k in keys)
 

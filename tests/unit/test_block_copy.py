@@ -1,0 +1,118 @@
+"""One pass per byte (issue 13, item 2): ``read_rows`` / ``write_rows`` copy each block in
+pieces and checksum each piece while it is in cache, and copy adjacent small blocks in one
+call. The checksums must stay exactly xxh3-64 of the whole block (what every store, disk
+file and peer already holds), whatever the piece boundaries and runs."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.client import blocks as blocks_mod
+from kvpool.client.blocks import adjacent_runs, read_rows, write_rows
+from kvpool.core.checksum import checksum64
+from kvpool.storage.arena import PutWindow
+
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Pieces of 1000 bytes (not a divisor of any block size used here), so that blocks
+    span several pieces and the last piece is short."""
+    monkeypatch.setattr(blocks_mod, "COPY_PIECE_BYTES", 1000)
+    return 1000
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.binary(min_size=0, max_size=20_000), piece=st.integers(1, 5000))
+def test_streaming_xxh3_over_pieces_is_the_one_shot_checksum(data: bytes, piece: int) -> None:
+    src = np.frombuffer(data, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    old = blocks_mod.COPY_PIECE_BYTES
+    blocks_mod.COPY_PIECE_BYTES = piece
+    try:
+        read_side = blocks_mod._copy_checksum_block(dst, src, hash_dst=True)
+        write_side = blocks_mod._copy_checksum_block(np.zeros_like(src), src, hash_dst=False)
+    finally:
+        blocks_mod.COPY_PIECE_BYTES = old
+    assert read_side == write_side == checksum64(data)
+    assert dst.tobytes() == data
+
+
+def test_runs_join_blocks_adjacent_on_both_sides_up_to_a_piece(small_pieces: int) -> None:
+    bb = 300  # 3 blocks fit in a 1000-byte piece
+    offsets = [0, 300, 600, 900, 1200, 5000, 5300, 9000]
+    indices = [0, 1, 2, 3, 4, 5, 7, 8]  # 5 -> 7 breaks the run on the row side
+    assert adjacent_runs(offsets, indices, bb) == [(0, 3), (3, 2), (5, 1), (6, 1), (7, 1)]
+    assert adjacent_runs([0, 4096], [0, 1], 4096) == [(0, 1), (1, 1)]  # a block larger than a piece: alone
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_bytes=st.sampled_from([64, 300, 1000, 2500]),
+    order=st.permutations(list(range(8))),
+    gaps=st.lists(st.booleans(), min_size=8, max_size=8),
+    seed=st.integers(0, 1000),
+)
+def test_read_and_write_rows_round_trip_with_true_checksums(
+    block_bytes: int, order: list[int], gaps: list[bool], seed: int
+) -> None:
+    """Slots laid out with some adjacent and some apart, in any order; what comes back is
+    the bytes put, and every checksum is the one-shot xxh3-64 of its row."""
+    old = blocks_mod.COPY_PIECE_BYTES
+    blocks_mod.COPY_PIECE_BYTES = 1000
+    try:
+        offsets, cursor = [], 0
+        for gap in gaps:
+            offsets.append(cursor)
+            cursor += block_bytes + (block_bytes if gap else 0)
+        offsets = [offsets[i] for i in order]
+        arena = np.zeros(cursor, dtype=np.uint8)
+        rows = np.random.default_rng(seed).integers(0, 256, (8, block_bytes), dtype=np.uint8)
+        sums = write_rows(arena, rows, list(range(8)), offsets)
+        assert sums == [checksum64(rows[i]) for i in range(8)]
+        out = np.zeros_like(rows)
+        assert read_rows(arena, out, offsets, sums, "test") == 8
+        assert np.array_equal(out, rows)
+    finally:
+        blocks_mod.COPY_PIECE_BYTES = old
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2, 4])
+def test_a_bad_block_inside_a_run_ends_the_read_there(small_pieces: int, bad: int) -> None:
+    bb = 250  # 4 blocks per piece: blocks 0-3 are one run, 4 the next
+    rows = np.random.default_rng(bad).integers(0, 256, (5, bb), dtype=np.uint8)
+    arena = np.zeros(5 * bb, dtype=np.uint8)
+    offsets = [i * bb for i in range(5)]
+    sums = write_rows(arena, rows, list(range(5)), offsets)
+    arena[offsets[bad] + 17] ^= 0xFF
+    assert read_rows(arena, np.zeros_like(rows), offsets, sums, "test") == bad
+
+
+def test_write_rows_through_a_put_window_in_runs(small_pieces: int) -> None:
+    """Adjacent slots of one put are written with one copy through the window; the window
+    refuses a range that is not whole slots of the put."""
+    bb = 200
+    fd = os.memfd_create("test-block-copy", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4 * PAGE)
+    try:
+        offsets = [0, 200, 400, 2 * PAGE]  # three adjacent slots, one apart
+        rows = np.random.default_rng(1).integers(0, 256, (4, bb), dtype=np.uint8)
+        with PutWindow(fd, 4 * PAGE, offsets, bb) as window:
+            sums = write_rows(window, rows, [0, 1, 2, 3], offsets)
+            with pytest.raises(Exception, match="not slots of this put"):
+                window.view_of(0, 500)  # two and a half slots
+            with pytest.raises(Exception, match="not slots of this put"):
+                window.view_of(400, 800)  # slot 400 and the unheld bytes after it
+        assert sums == [checksum64(r) for r in rows]
+        back = np.frombuffer(os.pread(fd, 4 * PAGE, 0), dtype=np.uint8)
+        for off, row in zip(offsets, rows, strict=True):
+            assert np.array_equal(back[off : off + bb], row)
+    finally:
+        os.close(fd)
