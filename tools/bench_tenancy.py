@@ -13,12 +13,13 @@ all of them up (each lookup walks 8,192 keys under the store lock) and releases 
 Each round alternates ``--windows`` idle and flood windows on the same daemon (the
 flooders pause between), so every ratio has its own baseline, taken under the same
 background load.
-``--gate all`` (the default) runs the whole thing three times: against a daemon with
-per-tenant fairness (its defaults, ``on``), one without (``--tenant-budget-units 0``,
-``off``), and with the flood sent to a second daemon (``elsewhere``: the victim's daemon
-does nothing for the flooder, so what remains is the machine's own contention, the floor
-no daemon-side policy can go below). The machine is
-shared: compare ratios within a run, and run it a few times.
+``--gate all`` (the default) runs the whole thing four times: against a daemon with
+per-tenant fairness (its defaults, ``on``), with fairness billing calls by request size
+only (``--tenant-walk-cost-items 0``, ``size``: the walked blocks of a hit lookup not
+billed), one without (``--tenant-budget-units 0``, ``off``), and with the flood sent to
+a second daemon (``elsewhere``: the victim's daemon does nothing for the flooder, so what
+remains is the machine's own contention, the floor no daemon-side policy can go below).
+The machine is shared: compare ratios within a run, and run it a few times.
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ PREFIX_BLOCKS = 64
 HIT_BLOCKS = 8192
 
 
-def start_daemon(gate: bool) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(gate: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``gate``: "on" (fairness at its defaults), "size" (on, but calls billed by their request
+    size only: ``--tenant-walk-cost-items 0``, the rule before walks were billed) or "off"."""
     address = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--capacity-bytes", "256MiB"]
-    if not gate:
+    if gate == "off":
         argv += ["--tenant-budget-units", "0"]
+    elif gate == "size":
+        argv += ["--tenant-walk-cost-items", "0"]
     proc = subprocess.Popen([*argv, "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -63,6 +68,13 @@ def start_daemon(gate: bool) -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
     proc.kill()
     raise SystemExit(f"daemon on {address} did not start")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used: what the flood costs the daemon."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def lookups(client: PoolClient, hashes: list[bytes], seconds: float) -> list[float]:
@@ -116,11 +128,11 @@ def run(gate: str, args: argparse.Namespace) -> dict[str, Any]:
     fairness at its defaults), "off" (``--tenant-budget-units 0``), or "elsewhere": the
     flood goes to a second daemon, so the victim's daemon does no work for it and what is
     left of the slowdown is the machine itself (CPU time the flooding processes take)."""
-    proc, address = start_daemon(gate != "off")
+    proc, address = start_daemon("on" if gate == "elsewhere" else gate)
     other: subprocess.Popen[bytes] | None = None
     flood_address = address
     if gate == "elsewhere":
-        other, flood_address = start_daemon(True)
+        other, flood_address = start_daemon("on")
     ctx = mp.get_context("spawn")
     rounds: list[dict[str, Any]] = []
     go, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -139,13 +151,18 @@ def run(gate: str, args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.rounds):
                 idle: list[float] = []
                 loaded: list[float] = []
+                cpu = {"idle": 0.0, "flood": 0.0}  # the victim's daemon's CPU seconds in each phase
                 for _ in range(args.windows):  # idle and flood windows alternate: slow drifts in
                     go.clear()  # the machine's background load hit both phases alike
                     time.sleep(0.2)  # the flood's calls in flight drain
+                    before = cpu_s(proc.pid)
                     idle += lookups(victim, hashes, args.seconds / args.windows)
+                    cpu["idle"] += cpu_s(proc.pid) - before
                     go.set()
                     time.sleep(0.2)
+                    before = cpu_s(proc.pid)
                     loaded += lookups(victim, hashes, args.seconds / args.windows)
+                    cpu["flood"] += cpu_s(proc.pid) - before
                 go.clear()
                 rounds.append(
                     {
@@ -155,6 +172,8 @@ def run(gate: str, args: argparse.Namespace) -> dict[str, Any]:
                         "flood_p99_ms": round(pct(loaded, 99), 3),
                         "p99_ratio": round(pct(loaded, 99) / pct(idle, 99), 2),
                         "victim_calls": [len(idle), len(loaded)],
+                        # daemon CPU per second of each phase (the victim's own calls included)
+                        "daemon_cpu_ms_per_s": [round(1e3 * cpu[k] / args.seconds) for k in ("idle", "flood")],
                     }
                 )
                 print(f"gate {gate} " + json.dumps(rounds[-1]), flush=True)
@@ -188,10 +207,10 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=10, help="idle/flood window pairs per round")
     parser.add_argument("--flooders", type=int, default=2)
     parser.add_argument("--mode", choices=["miss", "hit"], default="miss")
-    parser.add_argument("--gate", choices=["all", "both", "on", "off", "elsewhere"], default="all")
+    parser.add_argument("--gate", choices=["all", "both", "on", "size", "off", "elsewhere"], default="all")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    gates = {"all": ["on", "off", "elsewhere"], "both": ["on", "off"]}.get(args.gate, [args.gate])
+    gates = {"all": ["on", "size", "off", "elsewhere"], "both": ["on", "off"]}.get(args.gate, [args.gate])
     result = [run(gate, args) for gate in gates]
     for r in result:
         print(f"gate {r['gate']} ({r['mode']}): p99 ratio {r['p99_ratio_min']}-{r['p99_ratio_max']}")

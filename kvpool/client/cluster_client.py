@@ -48,6 +48,7 @@ import numpy as np
 
 from kvpool.client.blocks import block_rows
 from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hello_request
+from kvpool.client.tickets import NodeTickets
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
 from kvpool.core.hashing import block_hashes, pack_hashes
@@ -55,8 +56,8 @@ from kvpool.core.retry import RetryPolicy
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.directory.etcd import EtcdSession
 from kvpool.directory.link import DirectoryLink
-from kvpool.proto import directory_pb2, pool_pb2_grpc
-from kvpool.rpc.auth import call_metadata
+from kvpool.proto import directory_pb2, pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
 from kvpool.transport.base import ReadItem, Transport
@@ -115,14 +116,24 @@ class ClusterClient:
         clock: Clock | None = None,
         sleep: Callable[[float], None] = time.sleep,
         token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> None:
         """``token``: the tenant credential presented to every node's control plane (the
-        same-host clients and Hello on a put target)."""
+        same-host clients, Hello on a put target and for data-plane tickets);
+        ``tls_root_certs``: verify nodes' control planes and (``--data-tls``) data planes
+        against this CA (PEM); None = plaintext."""
         if failover_wait_ms < 0:
             raise InvalidArgument("failover_wait_ms must be >= 0")
         self.link = link
         self._token = token
+        self._tls_root_certs = tls_root_certs
         self._metadata = call_metadata(token)
+        # data-plane tickets, one per node, from its control plane (docs/security.md)
+        self.tickets = NodeTickets(self._hello_reply)
+        if token:
+            transport.use_tickets(self.tickets)
+        if tls_root_certs:
+            transport.use_tls(tls_root_certs)
         self.namespace = namespace
         self.spec = namespace.spec
         self._ns = namespace.digest()
@@ -176,6 +187,7 @@ class ClusterClient:
         timeout_s: float = 10.0,
         failover_wait_ms: int = DEFAULT_FAILOVER_WAIT_MS,
         token: str = "",
+        tls_root_certs: bytes | None = None,
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
         given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long
@@ -186,7 +198,11 @@ class ClusterClient:
         local_client: PoolClient | None = None
         made: ClusterClient | None = None
         try:
-            local_client = PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token) if local else None
+            local_client = (
+                PoolClient.connect(local, spec, salt, adapter, timeout_s, token=token, tls_root_certs=tls_root_certs)
+                if local
+                else None
+            )
             made = cls(
                 link,
                 namespace,
@@ -198,6 +214,7 @@ class ClusterClient:
                 timeout_s,
                 failover_wait_ms=failover_wait_ms,
                 token=token,
+                tls_root_certs=tls_root_certs,
             )
             # finds the leader, waiting out a failover like every directory call
             nodes = made._directory_waiting("Nodes", directory_pb2.NodesRequest()).nodes
@@ -392,6 +409,7 @@ class ClusterClient:
                 self.namespace.adapter,
                 self.timeout_s,
                 token=self._token,
+                tls_root_certs=self._tls_root_certs,
             )
             with self._lock:
                 self._same_host[holder.node_id] = client
@@ -437,8 +455,7 @@ class ClusterClient:
             items = [ReadItem(h) for h in hashes]
         else:
             items = [ReadItem(h, byte_range[0], byte_range[1]) for h in hashes]
-        if holder.transport_metadata:
-            self.transport.learn_peer(holder.data_address, holder.transport_metadata)
+        self._learn(holder)
         result = self.transport.read(holder.data_address, self._ns, items, [rows[start + i] for i in range(n)])
         self.counters["remote_blocks"] += result.ok
         if result.corrupt_index >= 0:
@@ -562,7 +579,7 @@ class ClusterClient:
         one short-lived channel per report; a failed report is logged, never raised."""
         try:
             self._hello(holder)
-            channel = grpc.insecure_channel(holder.control_address, options=channel_options(64 << 20))
+            channel = make_channel(holder.control_address, channel_options(64 << 20), self._tls_root_certs)
             try:
                 request = hashes_request(self._ns, [block_hash], [], 0)
                 reply = pool_pb2_grpc.PoolStub(channel).ReportCorrupt(request, timeout=self.timeout_s)
@@ -577,18 +594,31 @@ class ClusterClient:
         self.counters["dropped_corrupt"] += int(reply.dropped)
 
     # -- writes --------------------------------------------------------------------------
+    def _learn(self, holder: Holder) -> None:
+        """What the transport needs for a holder's data plane: its metadata, where its ticket comes from."""
+        if holder.transport_metadata:
+            self.transport.learn_peer(holder.data_address, holder.transport_metadata)
+        self.tickets.learn(holder.data_address, holder.control_address)
+
+    def _hello_reply(self, control_address: str) -> pool_pb2.HelloReply:
+        """Hello on a node's control plane with this client's token (registers the namespace there;
+        the reply carries this client's data-plane ticket for that node)."""
+        channel = make_channel(control_address, channel_options(64 << 20), self._tls_root_certs)
+        try:
+            reply: pool_pb2.HelloReply = pool_pb2_grpc.PoolStub(channel).Hello(
+                hello_request(self.namespace), timeout=self.timeout_s, metadata=self._metadata
+            )
+            return reply
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, control_address) from None
+        finally:
+            channel.close()
+
     def _hello(self, holder: Holder) -> None:
         if holder.node_id in self._hello_done:
             return
-        channel = grpc.insecure_channel(holder.control_address, options=channel_options(64 << 20))
-        try:
-            pool_pb2_grpc.PoolStub(channel).Hello(
-                hello_request(self.namespace), timeout=self.timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, holder.control_address) from None
-        finally:
-            channel.close()
+        self.tickets.learn(holder.data_address, holder.control_address)
+        self.tickets.store(holder.data_address, self._hello_reply(holder.control_address))
         self._hello_done.add(holder.node_id)
 
     def put(self, hashes: Sequence[bytes], blocks: Any, replicas: int = 1) -> PutResult:
@@ -631,8 +661,7 @@ class ClusterClient:
         except KVPoolError as err:
             log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, err)
             return PutResult(0, 0, 0, 0)
-        if holder.transport_metadata:
-            self.transport.learn_peer(holder.data_address, holder.transport_metadata)
+        self._learn(holder)
         result = self.transport.write(holder.data_address, self._ns, hashes, rows)
         if result.reason:
             log.warning("put of %d blocks on node %s failed: %s", len(hashes), holder.node_id, result.reason)

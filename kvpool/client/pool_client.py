@@ -31,6 +31,7 @@ import numpy as np
 
 from kvpool.client.admin import PoolAdmin
 from kvpool.client.blocks import block_rows, read_rows, write_rows
+from kvpool.client.tickets import NO_TICKET, ticket_of
 from kvpool.core.arena_map import ArenaMapping, PutWindow
 from kvpool.core.errors import InvalidArgument, KVPoolError, TenantBusy, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
@@ -172,6 +173,7 @@ class PoolClient:
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
         self.node_id = ""
+        self.data_ticket = NO_TICKET
         self.max_batch_blocks = 0
 
     @classmethod
@@ -219,6 +221,8 @@ class PoolClient:
         self._arena = attach_arena(self._arena, reply, self.spec, self._token)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
+        #: this client's ticket for the node's data plane (``kvpool.client.tickets``; reads over TCP/UCX)
+        self.data_ticket = ticket_of(reply, time.monotonic())
 
     def _with_namespace(self, call: Callable[[], T]) -> T:
         """Run ``call``; if the daemon forgot our namespace (it restarted), say hello again once."""

@@ -41,6 +41,7 @@ from typing import Any
 
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.keys import NAMESPACE_BYTES
+from kvpool.core.tickets import CLUSTER_INDEX, TicketIssuer
 
 #: largest credentials file accepted, in bytes
 MAX_CREDENTIALS_FILE_BYTES = 4 << 20
@@ -58,27 +59,11 @@ MAX_QUOTA_BYTES = 1 << 60
 TOKEN_RANDOM_BYTES = 32
 
 SHA256_HEX_CHARS = 64
-#: data-plane challenge: random bytes the server sends, and the length of the proof
-DATA_AUTH_NONCE_BYTES = 32
-DATA_AUTH_PROOF_BYTES = 32
-_DATA_AUTH_CONTEXT = b"kvpool-data-auth-v1|"
 
 
 def token_sha256(token: str) -> str:
     """The hex SHA-256 of a token: what the credentials file stores."""
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def data_plane_proof(token_digest: bytes, nonce: bytes) -> bytes:
-    """What a data-plane peer sends for the server's ``nonce``: HMAC-SHA256 keyed by the
-    token's sha256. The token itself never crosses the (plaintext) data plane, and a proof
-    seen on the wire is good for that one nonce only. The server holds only the sha256s,
-    which is exactly the key: so the credentials file is a secret for the data plane."""
-    return hmac.new(token_digest, _DATA_AUTH_CONTEXT + nonce, hashlib.sha256).digest()
-
-
-def token_digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
 
 
 def new_token() -> str:
@@ -105,6 +90,8 @@ class Principal:
 
 #: the caller when a daemon runs without credentials (the loopback embedded default)
 ANONYMOUS = Principal("anonymous", admin=True, namespaces=None, cluster=True)
+#: whoever presented the cluster token
+CLUSTER = Principal("cluster", admin=False, namespaces=None, cluster=True)
 
 
 @dataclass(frozen=True)
@@ -119,6 +106,12 @@ class Credentials:
 
     entries: tuple[_Entry, ...]
     cluster_digest: bytes = b""  # sha256 of the cluster token; b"" = none configured
+    #: the daemon's data-plane ticket issuer (``with_tickets``, at start); None = no data plane admits anyone
+    tickets: TicketIssuer | None = None
+
+    def with_tickets(self, issuer: TicketIssuer) -> Credentials:
+        """These credentials, issuing and checking data-plane tickets with ``issuer``."""
+        return Credentials(self.entries, self.cluster_digest, issuer)
 
     def identify(self, token: str) -> Principal | None:
         """The principal whose token this is, or None. Constant-time per entry, and every
@@ -132,7 +125,7 @@ class Credentials:
             if hmac.compare_digest(presented, entry.digest):
                 found = entry.principal
         if self.cluster_digest and hmac.compare_digest(presented, self.cluster_digest):
-            found = Principal("cluster", admin=False, namespaces=None, cluster=True)
+            found = CLUSTER
         return found
 
     def tenant_quotas(self) -> dict[bytes, tuple[str, int]]:
@@ -151,18 +144,27 @@ class Credentials:
             return False
         return hmac.compare_digest(hashlib.sha256(token).digest(), self.cluster_digest)
 
-    def identify_proof(self, nonce: bytes, proof: bytes) -> Principal | None:
-        """The principal whose token made ``proof`` for ``nonce`` (``data_plane_proof``), or
-        None. Every entry is tried with a constant-time compare, no early exit."""
-        if len(nonce) != DATA_AUTH_NONCE_BYTES or len(proof) != DATA_AUTH_PROOF_BYTES:
+    def issue_ticket(self, principal: Principal, now_ms: int) -> tuple[bytes, bytes] | None:
+        """(ticket id, ticket key) admitting ``principal`` (one ``identify`` returned) to the data
+        plane until ``now_ms`` + the issuer's TTL, or None without an issuer."""
+        if self.tickets is None:
             return None
-        found: Principal | None = None
-        for entry in self.entries:
-            if hmac.compare_digest(data_plane_proof(entry.digest, nonce), proof):
-                found = entry.principal
-        if self.cluster_digest and hmac.compare_digest(data_plane_proof(self.cluster_digest, nonce), proof):
-            found = Principal("cluster", admin=False, namespaces=None, cluster=True)
-        return found
+        if principal == CLUSTER:
+            return self.tickets.issue(CLUSTER_INDEX, now_ms)
+        index = next((i for i, e in enumerate(self.entries) if e.principal == principal), None)
+        return None if index is None else self.tickets.issue(index, now_ms)
+
+    def identify_ticket(self, ticket_id: bytes, nonce: bytes, proof: bytes, now_ms: int) -> Principal | None:
+        """The principal of a live ticket whose key made ``proof`` for ``nonce``, or None
+        (``kvpool.core.tickets``: the token hashes of this file are no data-plane key)."""
+        if self.tickets is None:
+            return None
+        index = self.tickets.check(ticket_id, nonce, proof, now_ms)
+        if index == CLUSTER_INDEX and self.cluster_digest:
+            return CLUSTER
+        if index is None or index >= len(self.entries):
+            return None
+        return self.entries[index].principal
 
 
 def _hex_digest(value: Any, where: str, chars: int) -> bytes:

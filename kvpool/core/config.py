@@ -123,6 +123,9 @@ class ClusterConfig:
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
     token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
+    # TLS on the TCP data plane with the control plane's --tls-cert-file / --tls-key-file
+    # (docs/security.md "Data-plane TLS": costs throughput; UCX / NIXL bytes stay in the clear)
+    data_tls: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in ("tcp", "ucx", "nixl"):
@@ -189,6 +192,9 @@ class DaemonConfig:
     tenant_budget_units: int = 64
     tenant_rate_units_per_s: int = 1000  # cost units one tenant may spend per second (0 = no rate)
     tenant_max_calls: int = 0
+    # request items (hashes) each block a Lookup / Lease finds costs, billed after the call
+    # (fairness.TenantGate.charge); 0 = calls cost by their request size only
+    tenant_walk_cost_items: int = 8
     tenant_wait_ms: int = 200
 
     def __post_init__(self) -> None:
@@ -206,6 +212,7 @@ class DaemonConfig:
             self.tenant_rate_units_per_s,
             self.tenant_max_calls,
             self.tenant_wait_ms,
+            self.tenant_walk_cost_items,
         )
         if min(tenant_limits) < 0:
             raise InvalidArgument("the --tenant-* limits must be >= 0")
@@ -230,6 +237,10 @@ class DaemonConfig:
                 )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
+        if self.cluster.data_tls and not self.tls_cert_file:
+            raise InvalidArgument(
+                "--data-tls uses the control plane's certificate", hint="give --tls-cert-file and --tls-key-file"
+            )
         self._refuse_open_listeners()
 
     def _refuse_open_listeners(self) -> None:

@@ -36,6 +36,7 @@ from kvpool.proto import directory_pb2
 from kvpool.rpc.credentials import load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
+from kvpool.transport.tls import server_tls_context
 
 log = logging.getLogger("kvpool.cluster")
 
@@ -159,8 +160,11 @@ class ClusterAgent:
         self._check_one_sided_reads()
         if self.cluster.enabled:
             listen = self.cluster.data_listen or f"{self.config.listen.rpartition(':')[0]}:0"
+            tls = None
+            if self.cluster.data_tls:
+                tls = server_tls_context(self.config.tls_cert_file, self.config.tls_key_file)
             self.data_server = make_data_server(
-                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials
+                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials, tls
             )
             self.data_server.start()
             log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)

@@ -344,6 +344,14 @@ OPTIONS: list[Option] = [
         "a call past it waits up to --tenant-wait-ms for tokens, then TENANT_BUSY. 0 = no rate.",
     ),
     Option(
+        "--tenant-walk-cost-items",
+        "tenant_walk_cost_items",
+        int,
+        "per-tenant fairness: each block a Lookup or Lease finds costs this many hashes more, billed to "
+        "the tenant's rate after the call (a hit walk costs far more than the hashes a request carries). "
+        "0 = bill calls by their request size only.",
+    ),
+    Option(
         "--tenant-max-calls",
         "tenant_max_calls",
         int,
@@ -409,6 +417,14 @@ OPTIONS: list[Option] = [
         default_means="none",
     ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp, ucx or nixl (docs/cluster.md)."),
+    Option(
+        "--data-tls",
+        "cluster.data_tls",
+        parse_switch,
+        "TLS on the TCP data plane with --tls-cert-file / --tls-key-file: KV bytes are encrypted and "
+        "authenticated on the wire, at a cost in throughput (docs/security.md). UCX / NIXL bytes are not.",
+        default_means="off",
+    ),
     Option(
         "--host-name",
         "cluster.host",

@@ -28,6 +28,12 @@ admin and cluster credentials are not gated):
   that a busy engine could reach. A refused call has still waited: a tenant that
   retries at once is slowed down by its own refusals (the daemon still pays for
   receiving each message: see docs/security.md for what this does not stop);
+- work a call does that its request does not show (the blocks a hit lookup or a lease
+  walks: a lookup of 8,192 hits takes several times the interpreter time of a 65,536-hash
+  lookup that misses at once) is billed **after** the call (``charge``) against the same
+  token bucket, which may go into debt by up to one second of rate: the tenant's next bulk
+  calls wait it out. So a tenant flooding with the largest lookups that hit is held to its
+  rate in work done, not in hashes sent;
 - a tenant may hold at most ``max_requests`` worker threads (in flight and waiting
   together); past that a call is refused at once, so one tenant can never occupy every
   worker and other tenants always find one free.
@@ -183,6 +189,16 @@ class TenantGate:
                 if share.requests == 0:
                     self._shares.pop(tenant, None)
                 self._cond.notify_all()
+
+    def charge(self, tenant: Hashable, units: float) -> None:
+        """Bill ``units`` of work a call did beyond its admission cost (known only once it ran)
+        to ``tenant``'s token bucket. The debt is bounded by one second of rate, so a tenant
+        is never locked out for longer than that by one call; without a rate this is a no-op."""
+        if not self.enabled or not self.rate_units_per_s or units <= 0:
+            return
+        with self._cond:
+            bucket = self._tokens(tenant, self._clock())
+            bucket[0] = max(-self.rate_units_per_s, bucket[0] - units)
 
     def _why(self, what: str, cost: int, share: _Share, bucket: list[float] | None) -> str:
         if bucket is not None and bucket[0] <= 0:

@@ -21,6 +21,7 @@ from kvpool.core.clock import MonotonicClock
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import Unavailable
 from kvpool.core.supervisor import Supervisor
+from kvpool.core.tickets import TicketIssuer, new_secret
 from kvpool.daemon.arena_handoff import ArenaHandoff
 from kvpool.daemon.metrics import NodeCollector
 from kvpool.daemon.node import PoolNode
@@ -61,7 +62,9 @@ class PoolServer:
         if config.process_protected:
             make_non_dumpable()  # before the tokens' hashes and the arena are in memory
         self.supervisor = Supervisor()
-        self.credentials = load_credentials(config.credentials_file)  # before anything is mapped
+        credentials = load_credentials(config.credentials_file)  # before anything is mapped
+        # a fresh secret each start: a ticket admits to this daemon's data plane only, until it restarts
+        self.credentials = None if credentials is None else credentials.with_tickets(TicketIssuer(new_secret()))
         self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.node = PoolNode(config, MonotonicClock())
         if self.credentials is not None and self.credentials.tenant_quotas():

@@ -35,6 +35,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
@@ -91,11 +92,16 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
         def inner(self: PoolService, request: Any, context: grpc.ServicerContext) -> Any:
             principal = principal_of(context, self.credentials)
             self._current.context, self._current.principal = context, principal
+            self._current.walked = 0
             try:
                 if self.credentials is not None and (principal.admin or principal.cluster):
                     return method(self, request, context)  # operators and the cluster's own calls
-                with self.gate.admit(self._tenant_of(principal, request), cost(request), method.__name__):
-                    return method(self, request, context)
+                tenant, units = self._tenant_of(principal, request), cost(request)
+                with self.gate.admit(tenant, units, method.__name__):
+                    reply = method(self, request, context)
+                # the blocks it walked, billed now that they are known (fairness.TenantGate.charge)
+                self.gate.charge(tenant, self._walk_units(request, units))
+                return reply
             except KVPoolError as err:
                 if method.__name__ == "Lease":  # why a reader got nothing: kvpool inspect lookup says
                     namespace = bytes(request.namespace)[:NAMESPACE_BYTES]
@@ -138,6 +144,17 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self._current = threading.local()  # the principal ``gated`` identified for this thread's call
 
     # helpers
+    def _walk_units(self, request: Any, admitted_units: int) -> int:
+        """Cost units of the blocks this thread's call walked (``_current.walked``) beyond what
+        its request was admitted for: ``1 + (hashes + walk_cost x walked) / 1024`` less the
+        admission cost. Calls that walked fewer than about 100 blocks owe nothing more."""
+        walked = int(getattr(self._current, "walked", 0))
+        weight = self.node.config.tenant_walk_cost_items
+        if not walked or not weight:
+            return 0
+        items = len(getattr(request, "hashes", b"")) // 16
+        return max(0, request_cost(items + weight * walked) - admitted_units)
+
     def _caller(self, context: grpc.ServicerContext) -> Principal:
         if getattr(self._current, "context", None) is context:
             principal: Principal = self._current.principal
@@ -227,11 +244,20 @@ class PoolService(pool_pb2_grpc.PoolServicer):
                 f"protocol {request.protocol_version!r} is not {PROTOCOL_VERSION!r}",
                 hint="use a client of the same kvpool version",
             )
-        self._authorise(self._caller(context), bytes(request.namespace))
+        principal = self._caller(context)
+        self._authorise(principal, bytes(request.namespace))
         spec = spec_from_msg(request.spec)
         info = self.node.register(request.hash_scheme, spec, request.namespace, request.spec_digest)
         cfg = self.node.config.store
+        ticket_id, ticket_key, ticket_ttl_ms = b"", b"", 0
+        issuer = self.credentials.tickets if self.credentials is not None else None
+        if self.credentials is not None and issuer is not None:  # the data plane admits only callers seen here
+            ticket_id, ticket_key = self.credentials.issue_ticket(principal, int(time.monotonic() * 1000)) or (b"", b"")
+            ticket_ttl_ms = issuer.ttl_ms
         return pool_pb2.HelloReply(
+            data_ticket=ticket_id,
+            data_ticket_key=ticket_key,
+            data_ticket_ttl_ms=ticket_ttl_ms,
             node_id=self.node.node_id,
             hash_scheme=HASH_SCHEME,
             protocol_version=PROTOCOL_VERSION,
@@ -248,7 +274,9 @@ class PoolService(pool_pb2_grpc.PoolServicer):
     def Lookup(self, request: pool_pb2.HashesRequest, context: grpc.ServicerContext) -> pool_pb2.LookupReply:
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
-        return pool_pb2.LookupReply(hits=self.node.lookup(info, keys))
+        hits = self.node.lookup(info, keys)
+        self._current.walked = hits
+        return pool_pb2.LookupReply(hits=hits)
 
     @typed_handler
     @gated(_hashes_cost)
@@ -256,6 +284,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         grant = self.node.lease(info, keys)
+        self._current.walked = len(grant.locations)
         return pool_pb2.LeaseReply(
             lease_id=grant.lease_id,
             offsets=[loc.offset for loc in grant.locations],

@@ -7,14 +7,20 @@ gets its answer without a lease (``grant`` returns 0, counted in ``leases_refuse
 read is then unprotected against a concurrent remove, and reads as a miss if it loses the
 race (the node's read lease and the checksum guard the bytes), never as wrong bytes.
 
+Lease ids are random 63-bit values (not a counter), and each lease remembers the namespace
+of its keys: a ``Release`` names the namespaces its caller may use (``may_release``), so a
+tenant can neither guess another tenant's lease ids nor release them if it did.
+
 Not thread-safe on its own: ``DirectoryState`` calls it under its lock.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from kvpool.core.keys import NAMESPACE_BYTES
 
 MAX_LEASES = 65_536
 
@@ -23,18 +29,25 @@ MAX_LEASES = 65_536
 class _Lease:
     expires_ms: float
     keys: frozenset[bytes]
+    namespace: bytes  # of its keys (one lookup names one namespace)
 
 
 class LeaseTable:
-    def __init__(self, max_lease_ms: int = 60_000, max_leases: int = MAX_LEASES) -> None:
+    def __init__(
+        self,
+        max_lease_ms: int = 60_000,
+        max_leases: int = MAX_LEASES,
+        random_id: Callable[[], int] = lambda: secrets.randbits(63),
+    ) -> None:
+        """``random_id``: where lease ids come from (a seeded one in tests, to replay them)."""
         if max_lease_ms <= 0 or max_leases <= 0:
             raise ValueError("max_lease_ms and max_leases must be positive")
+        self._random_id = random_id
         self.max_lease_ms = max_lease_ms
         self.max_leases = max_leases
         self._leases: dict[int, _Lease] = {}
         self._leased_count: dict[bytes, int] = {}
         self._deferred: dict[bytes, bytes] = {}  # block key -> namespace of the remove
-        self._ids = itertools.count(1)
         self.refused = 0
 
     def __len__(self) -> int:
@@ -55,15 +68,25 @@ class LeaseTable:
             if len(self._leases) >= self.max_leases:
                 self.refused += 1
                 return 0
-        lease_id = next(self._ids)
+        lease_id = 0
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = self._random_id()
         leased = frozenset(keys)
-        self._leases[lease_id] = _Lease(now_ms + min(lease_ms, self.max_lease_ms), leased)
+        namespace = keys[0][:NAMESPACE_BYTES] if keys else b""
+        self._leases[lease_id] = _Lease(now_ms + min(lease_ms, self.max_lease_ms), leased, namespace)
         for key in leased:
             self._leased_count[key] = self._leased_count.get(key, 0) + 1
         return lease_id
 
-    def release(self, lease_ids: Iterable[int]) -> int:
-        return sum(1 for lease_id in lease_ids if self._drop(lease_id))
+    def release(self, lease_ids: Iterable[int], may_release: Callable[[bytes], bool] | None = None) -> int:
+        """Drop these leases; with ``may_release`` only those whose namespace it accepts
+        (the caller's own): another tenant's id is ignored, as an unknown one is."""
+        released = 0
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is not None and (may_release is None or may_release(lease.namespace)):
+                released += self._drop(lease_id)
+        return released
 
     def expire(self, now_ms: float) -> int:
         due = [i for i, lease in self._leases.items() if lease.expires_ms <= now_ms]

@@ -10,9 +10,11 @@ or Pin sent with tenant B's namespace can never see, drop or pin tenant A's hold
 
 With credentials (the same file format as a node's, docs/security.md) every call needs a
 known bearer token: Register and Heartbeat only the cluster token (a node), Lookup /
-Remove / Pin only for a namespace the caller's credential may use; Place, Release,
-Stats, Leader and Nodes any known token. Removes and pins forwarded to nodes carry the
-cluster token.
+Remove / Pin only for a namespace the caller's credential may use; Release only the
+caller's own leases (ids are random, and each lease's namespace is checked); Stats
+node-wide counts only for the admin or cluster token (a tenant gets the node list); Place,
+Leader and Nodes any known token. Removes and pins forwarded to nodes carry the cluster
+token.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ FORWARD_TIMEOUT_S = 5.0
 #: most hashes one Lookup / Remove / Pin or one heartbeat event may name (a 4M-token prompt
 #: at 16 tokens per block); the whole message is bounded by --max-message-bytes too
 MAX_BATCH_BLOCKS = 262_144
+#: most directory lease ids one Release may name
+MAX_RELEASE_IDS = 4096
 
 
 def bounded_hashes(packed: bytes, what: str) -> list[bytes]:
@@ -233,9 +237,14 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Release(self, request: directory_pb2.LeaseRelease, context: grpc.ServicerContext) -> Any:
-        self._caller(context)
+        principal = self._caller(context)
         self._lead()
-        released = self.state.release(request.lease_ids)
+        if len(request.lease_ids) > MAX_RELEASE_IDS:
+            raise InvalidArgument(
+                f"{len(request.lease_ids)} lease ids in one Release; the limit is {MAX_RELEASE_IDS}", hint="split it"
+            )
+        # a tenant releases only leases of its own namespaces (ids are random: not guessable either)
+        released = self.state.release(request.lease_ids, principal.may_use)
         return directory_pb2.ReleaseReply(released=released)
 
     @typed_handler
@@ -257,8 +266,16 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @typed_handler
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> Any:
-        self._caller(context)
+        principal = self._caller(context)
         summary: dict[str, Any] = dict(self.state.summary())
+        if not (principal.admin or principal.cluster):
+            # a tenant sees the cluster's shape (what Nodes tells it too), not the counts of
+            # every tenant's blocks, lookups, leases and namespaces: those are an admin view
+            summary = {
+                "epoch": summary["epoch"],
+                "nodes": [{k: v for k, v in n.items() if k not in ("blocks", "confirmed")} for n in summary["nodes"]],
+                "scope": f"tenant {principal.name!r}: node-wide counts need the admin token",
+            }
         summary["is_leader"] = self._is_leader()
         summary["leader"] = self._leader()
         if self._extra_stats is not None:

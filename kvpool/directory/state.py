@@ -21,7 +21,7 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.core.clock import Clock
@@ -350,9 +350,10 @@ class DirectoryState:
                 lease_id = self._leases.grant(keys[:hits], lease_ms, self._clock.now_ms())
             return LookupResult(hits, run.nodes, run.masks, run.tiers, lease_id)
 
-    def release(self, lease_ids: Iterable[int]) -> int:
+    def release(self, lease_ids: Iterable[int], may_release: Callable[[bytes], bool] | None = None) -> int:
+        """Release directory leases (``LeaseTable.release``: only in namespaces ``may_release`` accepts)."""
         with self._lock:
-            return self._leases.release(lease_ids)
+            return self._leases.release(lease_ids, may_release)
 
     def take_due_removes(self) -> dict[bytes, dict[str, list[bytes]]]:
         """Deferred removes whose leases are gone: namespace -> node -> keys to forward."""

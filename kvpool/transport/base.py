@@ -19,6 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvpool.core.tickets import DataTicket
+
 
 @dataclass(frozen=True)
 class ReadItem:
@@ -95,6 +97,19 @@ class BlockStore(Protocol):
     def put_abort(self, put_id: int) -> None: ...
 
 
+class TicketSource(Protocol):
+    """Where a client gets its data-plane ticket for a peer (``kvpool.core.tickets``): from that
+    node's control plane, over gRPC with the client's token (``kvpool.client.tickets``)."""
+
+    def ticket(self, peer: str) -> DataTicket:
+        """A live ticket for the data plane at ``peer``; raises a KVPoolError if none can be had."""
+        ...
+
+    def forget(self, peer: str) -> None:
+        """``peer`` refused the ticket (it restarted, or the ticket expired): get a new one next time."""
+        ...
+
+
 class Transport(Protocol):
     """The reading / writing side: one object per process, connections cached per peer."""
 
@@ -112,6 +127,14 @@ class Transport(Protocol):
     def learn_peer(self, peer: str, metadata: bytes) -> None:
         """Take what the directory published for ``peer`` beyond its address (a NIXL agent's
         metadata); a no-op for transports that need nothing more."""
+        ...
+
+    def use_tickets(self, tickets: TicketSource | None) -> None:
+        """Prove a data-plane ticket from ``tickets`` on each new connection (None: no AUTH)."""
+        ...
+
+    def use_tls(self, root_certs: bytes | None) -> None:
+        """TLS on each new connection, verified against ``root_certs`` (PEM)."""
         ...
 
     def close(self) -> None: ...

@@ -6,6 +6,7 @@ operator who asked for NIXL wants its fabric, and would otherwise measure TCP)."
 from __future__ import annotations
 
 import logging
+import ssl
 
 from kvpool.core.auth import Credentials
 from kvpool.core.errors import InvalidArgument
@@ -38,8 +39,21 @@ def _check_kind(kind: str) -> None:
         raise InvalidArgument(f"unknown transport {kind!r}", hint=f"use one of {', '.join(TRANSPORTS)}")
 
 
-def make_data_server(kind: str, store: BlockStore, listen: str, credentials: Credentials | None = None) -> DataServer:
-    """``credentials``: peers must pass AUTH first (docs/security.md); None admits every peer."""
+def make_data_server(
+    kind: str,
+    store: BlockStore,
+    listen: str,
+    credentials: Credentials | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> DataServer:
+    """``credentials``: peers must pass AUTH first (docs/security.md); None admits every peer.
+    ``tls``: every connection is TLS (``tls.server_tls_context``; UCX / NIXL bytes are not)."""
+    server = _make_data_server(kind, store, listen, credentials)
+    server.tls_context = tls
+    return server
+
+
+def _make_data_server(kind: str, store: BlockStore, listen: str, credentials: Credentials | None) -> TcpDataServer:
     _check_kind(kind)
     if kind == "nixl":
         from kvpool.transport.nixl import NixlDataServer, require_nixl

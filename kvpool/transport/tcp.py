@@ -16,21 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.core.auth import (
-    ANONYMOUS,
-    DATA_AUTH_NONCE_BYTES,
-    DATA_AUTH_PROOF_BYTES,
-    Credentials,
-    Principal,
-    data_plane_proof,
-    token_digest,
-)
+from kvpool.core.auth import ANONYMOUS, Credentials, Principal
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import (
     CapacityExhausted,
@@ -42,8 +35,10 @@ from kvpool.core.errors import (
     UnknownNamespace,
 )
 from kvpool.core.retry import RetryPolicy, retry_call
+from kvpool.core.tickets import MAX_TICKET_ID_BYTES, NONCE_BYTES, PROOF_BYTES, ticket_proof
 from kvpool.transport import wire
-from kvpool.transport.base import BlockStore, ReadItem, ReadResult, WriteResult
+from kvpool.transport.base import BlockStore, ReadItem, ReadResult, TicketSource, WriteResult
+from kvpool.transport.tls import client_tls_context
 
 log = logging.getLogger("kvpool.transport")
 
@@ -131,6 +126,8 @@ class TcpDataServer:
         self.address = listen
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: TLS for every accepted connection (``server_tls_context``); None = plaintext. Set before ``start``.
+        self.tls_context: ssl.SSLContext | None = None
 
     def start(self) -> None:
         host, port = split_address(self._listen)
@@ -199,11 +196,31 @@ class TcpDataServer:
                 self._workers.add(worker)
             worker.start()
 
+    def _wrap_tls(self, conn: socket.socket) -> socket.socket:
+        """The TLS side of an accepted connection (handshake bounded by the idle timeout); the
+        wrapped socket replaces the plain one in ``_conns`` (wrapping detaches the plain one)."""
+        assert self.tls_context is not None
+        with self._lock:
+            self._conns.discard(conn)
+        wrapped = self.tls_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        with self._lock:
+            self._conns.add(wrapped)
+        try:
+            wrapped.do_handshake()
+        except BaseException:
+            with self._lock:
+                self._conns.discard(wrapped)
+            wrapped.close()
+            raise
+        return wrapped
+
     def _serve(self, conn: socket.socket, peer: str) -> None:
         state: dict[str, object] = {}  # per-connection state of subclasses (the UCX endpoint)
         principal: Principal | None = ANONYMOUS if self._credentials is None else None
         nonce = b""
         try:
+            if self.tls_context is not None:
+                conn = self._wrap_tls(conn)
             while not self._stopping.is_set():
                 try:
                     head = wire.recv_exact(conn, wire.HEADER.size)
@@ -212,7 +229,7 @@ class TcpDataServer:
                 op, count, namespace = wire.unpack_header(head)
                 if op == wire.OP_AUTH:
                     if count == 0:
-                        nonce = os.urandom(DATA_AUTH_NONCE_BYTES)
+                        nonce = os.urandom(NONCE_BYTES)
                         conn.sendall(wire.pack_reply(wire.STATUS_OK, len(nonce)) + nonce)
                         continue
                     principal = self._check_proof(conn, count, nonce, peer)
@@ -232,7 +249,7 @@ class TcpDataServer:
                 elif not self._serve_other(conn, op, count, namespace, state):
                     conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, f"unknown op {op}"))
                     return
-        except (OSError, wire.PeerClosed, InvalidArgument) as exc:
+        except (OSError, wire.PeerClosed, InvalidArgument) as exc:  # ssl.SSLError is an OSError
             log.warning("data plane: connection from %s dropped: %s", peer, exc)
         except Exception:  # a bug: log it, drop this connection, keep serving others
             log.exception("data plane: internal error serving %s", peer)
@@ -244,18 +261,28 @@ class TcpDataServer:
             self._close_state(state)
 
     def _check_proof(self, conn: socket.socket, count: int, nonce: bytes, peer: str) -> Principal | None:
-        """Read an AUTH proof and answer it: the principal, or None (answered, to be closed)."""
-        if count != DATA_AUTH_PROOF_BYTES or not nonce:
-            conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, "AUTH proof without a nonce, or of a bad size"))
+        """Read an AUTH proof (a ticket id and its proof for ``nonce``) and answer it: the
+        principal, or None (answered, to be closed)."""
+        if not PROOF_BYTES < count <= PROOF_BYTES + MAX_TICKET_ID_BYTES or not nonce:
+            conn.sendall(
+                wire.pack_reply(
+                    wire.STATUS_BAD_REQUEST, 0, "AUTH proof without a nonce or a data-plane ticket (kvpool >= tickets)"
+                )
+            )
             return None
-        proof = wire.recv_exact(conn, count)
+        body = wire.recv_exact(conn, count)
         if self._credentials is None:
             conn.sendall(wire.pack_reply(wire.STATUS_OK, 0))
             return ANONYMOUS
-        principal = self._credentials.identify_proof(nonce, proof)
+        ticket_id, proof = body[:-PROOF_BYTES], body[-PROOF_BYTES:]
+        principal = self._credentials.identify_ticket(ticket_id, nonce, proof, int(time.monotonic() * 1000))
         if principal is None:
             log.warning("data plane: %s failed AUTH", peer)
-            conn.sendall(wire.pack_reply(wire.STATUS_UNAUTHENTICATED, 0, "no credential made this proof"))
+            conn.sendall(
+                wire.pack_reply(
+                    wire.STATUS_UNAUTHENTICATED, 0, "no live ticket of this node made this proof: Hello again for one"
+                )
+            )
             return None
         conn.sendall(wire.pack_reply(wire.STATUS_OK, 0))
         return principal
@@ -428,13 +455,22 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "") -> None:
-        """``token``: the credential to prove on each new connection (AUTH) to a node
-        that requires one; it is never sent itself."""
+        """``token`` is not used on the data plane itself: a node with credentials admits a
+        connection with a ticket its control plane issued for the token (``use_tickets``)."""
         self.timeout_s = timeout_s
-        self._token_digest = token_digest(token) if token else b""
+        self._tickets: TicketSource | None = None
+        self._tls: ssl.SSLContext | None = None
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
         self.bytes_received = 0
+
+    def use_tickets(self, tickets: TicketSource | None) -> None:
+        """Prove a ticket from ``tickets`` on each new connection (AUTH); None = no AUTH."""
+        self._tickets = tickets
+
+    def use_tls(self, root_certs: bytes | None) -> None:
+        """Wrap each new connection in TLS, verifying nodes against ``root_certs`` (PEM); None = plaintext."""
+        self._tls = client_tls_context(root_certs) if root_certs else None
 
     def _take(self, peer: str, deadline: float | None = None, fresh: bool = False) -> tuple[socket.socket, bool]:
         """A connection to ``peer`` and whether it came from the idle pool (``fresh``: never)."""
@@ -444,9 +480,16 @@ class TcpTransport:
                 if pool:
                     return pool.pop(), True
         left = wire.time_left(deadline)
-        sock = socket.create_connection(split_address(peer), timeout=self.timeout_s if left is None else left)
+        host, port = split_address(peer)
+        sock = socket.create_connection((host, port), timeout=self.timeout_s if left is None else left)
         _tune(sock)
-        if self._token_digest:
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock, server_hostname=host)
+            except BaseException:
+                sock.close()
+                raise
+        if self._tickets is not None:
             try:
                 self._authenticate(sock, peer, deadline)
             except BaseException:
@@ -455,19 +498,23 @@ class TcpTransport:
         return sock, False
 
     def _authenticate(self, sock: socket.socket, peer: str, deadline: float | None) -> None:
-        """The AUTH exchange on a fresh connection; Unauthenticated if the node refuses."""
+        """The AUTH exchange on a fresh connection, with this client's ticket for ``peer``;
+        Unauthenticated if the node refuses (the ticket is forgotten: the next connection gets a new one)."""
+        assert self._tickets is not None
+        ticket = self._tickets.ticket(peer)
         wire.send_all(sock, wire.pack_header(wire.OP_AUTH, 0, bytes(16)), deadline)
         status, count, message = wire.recv_reply(sock, deadline)
-        if status != wire.STATUS_OK or count != DATA_AUTH_NONCE_BYTES:
+        if status != wire.STATUS_OK or count != NONCE_BYTES:
             raise Unauthenticated(f"data plane at {peer} gave no AUTH nonce ({message or status})")
         nonce = wire.recv_exact(sock, count, deadline)
-        proof = data_plane_proof(self._token_digest, nonce)
-        wire.send_all(sock, wire.pack_header(wire.OP_AUTH, len(proof), bytes(16)) + proof, deadline)
+        body = ticket.ticket_id + ticket_proof(ticket.key, nonce)
+        wire.send_all(sock, wire.pack_header(wire.OP_AUTH, len(body), bytes(16)) + body, deadline)
         status, _, message = wire.recv_reply(sock, deadline)
         if status != wire.STATUS_OK:
+            self._tickets.forget(peer)
             raise Unauthenticated(
-                f"data plane at {peer} refused this credential ({message})",
-                hint="use a token listed in the node's --credentials file",
+                f"data plane at {peer} refused this client's ticket ({message})",
+                hint="the node restarted or the ticket expired: the next connection asks its control plane again",
             )
 
     def _exchange(

@@ -8,8 +8,10 @@
            reply   : ReplyHeader(status, count=0, message_len) + message + WriteCounts
 
     AUTH   challenge: Header(op=AUTH, count=0) -> ReplyHeader(OK, count=32) + 32-byte nonce
-           proof    : Header(op=AUTH, count=32) + HMAC-SHA256(sha256(token), context || nonce)
+           proof    : Header(op=AUTH, count=len(ticket id) + 32) + ticket id
+                      + HMAC-SHA256(ticket key, context || nonce)
                       -> ReplyHeader(OK) or ReplyHeader(UNAUTHENTICATED) and the connection closes
+                      (the ticket and its key come from the node's control plane: HelloReply)
 
     NIXL_HELLO request : Header(op=NIXL_HELLO, count=0 | 1)
            reply       : ReplyHeader(OK, count=len(name)) + agent name + metadata length u64 + metadata
@@ -21,7 +23,7 @@
 
 A server with credentials answers READ / WRITE / READ_UCX / UCX_HELLO / NIXL_* on a connection that has
 not passed AUTH with UNAUTHENTICATED and closes it; one whose namespace the authenticated
-credential may not use gets DENIED and is closed (``kvpool.core.auth.data_plane_proof``).
+credential may not use gets DENIED and is closed (``kvpool.core.tickets``).
 
 A full-block read carries the checksum the writer computed (verified at commit), so the
 check on arrival is end to end. For a byte-range read the server first verifies the WHOLE

@@ -113,6 +113,7 @@ def test_a_client_maps_the_arena_read_only_outside_its_puts(
 def test_a_post_commit_overwrite_by_another_process_is_never_served(
     daemon_factory: Any, workdir: str, mode: str
 ) -> None:
+    from kvpool.client.tickets import StaticTickets
     from kvpool.transport.base import ReadItem
     from kvpool.transport.tcp import TcpTransport
 
@@ -135,7 +136,8 @@ def test_a_post_commit_overwrite_by_another_process_is_never_served(
         assert done.returncode == 0, done.stderr
         assert (a.arena[: 1 << 20] == 0xAB).all()  # the bytes really changed under the daemon
         # the data plane serves nothing wrong: the reader checks the committed checksums
-        transport = TcpTransport(timeout_s=5.0, token=TOKEN_A)
+        transport = TcpTransport(timeout_s=5.0)
+        transport.use_tickets(StaticTickets(a.data_ticket))
         dst = np.zeros((4, SPEC.block_bytes), dtype=np.uint8)
         try:
             result = transport.read(data_address, NS_A, [ReadItem(h) for h in hashes], list(dst))

@@ -315,10 +315,12 @@ def wait_for_port(address: str, timeout_s: float = 10.0) -> None:
 
 def test_data_plane_peers_are_admitted_only_with_a_credential(daemon_factory: Any, workdir: str) -> None:
     """The TCP data plane of a node with credentials: a peer reads / writes only after
-    AUTH (a proof made with its token, which never crosses the wire) and only in the
-    namespaces its token may use."""
+    AUTH with a ticket the node's control plane issued for its token (the token never
+    crosses the data plane) and only in the namespaces that token may use."""
     from conftest import free_port
 
+    from kvpool.client.tickets import StaticTickets
+    from kvpool.core.tickets import DataTicket
     from kvpool.transport.base import ReadItem
     from kvpool.transport.tcp import TcpTransport
 
@@ -327,15 +329,24 @@ def test_data_plane_peers_are_admitted_only_with_a_credential(daemon_factory: An
         "--credentials", write_credentials(workdir), "--data-listen", data_address
     )  # fmt: skip
     wait_for_port(data_address)  # the data plane starts right after the control plane answers
-    with PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
+    with (
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a,
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-b", token=TOKEN_B) as b,
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_ADMIN) as admin,
+    ):
         hashes = a.hashes(TOKENS)
         blocks = make_blocks(4, seed=9)
         assert a.put(hashes, blocks).stored == 4
         items = [ReadItem(h) for h in hashes]
         expected = blocks.reshape(4, -1).view(np.uint8)
 
-        def read(token: str) -> tuple[int, str, np.ndarray]:
-            transport = TcpTransport(timeout_s=5.0, token=token)
+        def transport_with(ticket: DataTicket | None) -> TcpTransport:
+            transport = TcpTransport(timeout_s=5.0)
+            transport.use_tickets(StaticTickets(ticket) if ticket is not None else None)
+            return transport
+
+        def read(ticket: DataTicket | None) -> tuple[int, str, np.ndarray]:
+            transport = transport_with(ticket)
             dst = np.zeros((4, SPEC.block_bytes), dtype=np.uint8)
             try:
                 result = transport.read(data_address, NS_A, items, list(dst))
@@ -343,25 +354,25 @@ def test_data_plane_peers_are_admitted_only_with_a_credential(daemon_factory: An
                 transport.close()
             return result.ok, result.reason, dst
 
-        ok, _, dst = read(TOKEN_A)
+        ok, _, dst = read(a.data_ticket)
         assert ok == 4 and np.array_equal(dst, expected)
-        for token in ("", "kvp_wrong-token", TOKEN_B, TOKEN_A + "x"):
-            ok, reason, dst = read(token)
-            assert ok == 0 and reason, token
+        for ticket in (None, b.data_ticket):  # no AUTH; B's ticket in A's namespace (DENIED)
+            ok, reason, dst = read(ticket)
+            assert ok == 0 and reason, ticket
             assert not dst.any()  # not one byte of A arrived
         # a write into A's namespace without A's credential stores nothing
-        for token in ("", TOKEN_B):
-            transport = TcpTransport(timeout_s=5.0, token=token)
+        for ticket in (None, b.data_ticket):
+            transport = transport_with(ticket)
             try:
                 rows = make_blocks(4, seed=10).reshape(4, -1).view(np.uint8)
                 fresh = a.hashes([t + 1 for t in TOKENS])
                 written = transport.write(data_address, NS_A, fresh, rows)
             finally:
                 transport.close()
-            assert written.stored == 0, token
+            assert written.stored == 0, ticket
             assert a.lookup(fresh) == 0
         # the admin token may use every namespace on the data plane too
-        ok, _, dst = read(TOKEN_ADMIN)
+        ok, _, dst = read(admin.data_ticket)
         assert ok == 4 and np.array_equal(dst, expected)
 
 

@@ -118,3 +118,38 @@ def test_a_flooding_tenant_is_refused_its_excess_and_another_tenant_is_served(da
         stats = victim.stats()
         assert stats["tenant_calls_refused"] >= codes.count(ErrorCode.TENANT_BUSY.wire_name)  # counted by the daemon
         assert victim.lookup(hashes) == 4  # still serving
+
+
+def test_the_blocks_a_lookup_finds_are_billed_to_its_tenant(daemon_factory: Any) -> None:
+    """A lookup that hits costs its tenant the blocks it walked (``--tenant-walk-cost-items``),
+    billed after the call: with a walk cost far above its rate, tenant B's second large hit
+    lookup finds B in debt and is refused TENANT_BUSY having done nothing, while tenant A's
+    large lookups (its own bucket) all run. With the walk cost 0 B's second one runs."""
+    for walk_cost, b_refused in (("10000", True), ("0", False)):
+        daemon: DaemonHandle = daemon_factory(
+            "--tenant-walk-cost-items", walk_cost, "--tenant-rate-units-per-s", "100", "--tenant-wait-ms", "50"
+        )
+        with (
+            PoolClient.connect(daemon.address, SPEC, salt=b"salt-a") as a,
+            PoolClient.connect(daemon.address, SPEC, salt=b"salt-b") as b,
+        ):
+            blocks = make_blocks(64, seed=41)
+            hashes_a, hashes_b = a.hashes(np.arange(16 * 64)), b.hashes(np.arange(16 * 64))
+            assert a.put(hashes_a, blocks).stored == 64 and b.put(hashes_b, blocks).stored == 64
+            # 2,048 hashes (cost 3), all hit: 2,048 x 10,000 items walked, a debt of one second of rate
+            big_b = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=b"".join(hashes_b) * 32)
+            big_a = pool_pb2.HashesRequest(namespace=a.namespace.digest(), hashes=b"".join(hashes_a) * 32)
+            with grpc.insecure_channel(daemon.address) as channel:
+                stub = pool_pb2_grpc.PoolStub(channel)
+                assert stub.Lookup(big_b, timeout=10).hits == 2048  # the 64 blocks, 32 times over
+                outcomes = []
+                for _ in range(2):
+                    try:
+                        outcomes.append(stub.Lookup(big_b, timeout=10).hits)
+                    except grpc.RpcError as exc:
+                        assert from_rpc_error(exc, daemon.address).code == ErrorCode.TENANT_BUSY
+                        outcomes.append(-1)
+                assert (outcomes == [-1, -1]) if b_refused else (outcomes == [2048, 2048]), outcomes
+                assert stub.Lookup(big_a, timeout=10).hits == 2048  # A's bucket is its own
+            assert a.lookup(hashes_a) == 64 and b.lookup(hashes_b) == 64  # small calls are never rate-limited
+        daemon.stop()

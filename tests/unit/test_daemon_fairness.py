@@ -161,3 +161,47 @@ def test_the_rate_refuses_bulk_only_after_waiting_and_refills() -> None:
     clock.now_s += 1.0  # a second later the debt is paid and the bucket full again
     with gate.admit("a", 5):
         pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rate=st.integers(200, 5000),
+    budget=st.integers(2, 16),
+    calls=st.lists(st.tuples(st.integers(2, 20), st.integers(0, 400)), min_size=1, max_size=60),
+)
+def test_work_billed_after_a_call_counts_against_the_rate(rate: int, budget: int, calls: list[tuple[int, int]]) -> None:
+    """A call admitted for its request's cost that then did ``work`` units more (the blocks a hit
+    lookup walked) is billed them after: a tenant never does more than its rate in work plus one
+    burst and one second of debt, and another tenant's bucket is untouched."""
+    clock = StepClock(0.0005)
+    gate = TenantGate(budget_units=budget, max_requests=4, wait_ms=5, rate_units_per_s=rate, clock=clock)
+    done = 0.0
+    for cost, work in calls:
+        try:
+            with gate.admit("a", cost):
+                done += min(cost, budget) - 1 + work
+        except TenantBusy:
+            continue
+        gate.charge("a", work)
+    # every admitted call found the bucket above 0: burst + refill + the last call's bill and debt
+    worst_call = max(min(c, budget) - 1 + w for c, w in calls)
+    assert done <= budget + clock.now_s * rate + worst_call + rate
+    with gate.admit("b", budget):  # b's bucket is full: admitted at once, whatever a owes
+        pass
+
+
+def test_a_charged_tenant_waits_its_debt_out_and_the_debt_is_bounded() -> None:
+    clock = StepClock(0.001)
+    gate = TenantGate(budget_units=8, max_requests=4, wait_ms=50, rate_units_per_s=100, clock=clock)
+    with gate.admit("a", 2):
+        pass
+    gate.charge("a", 10**9)  # an enormous bill: capped at one second of rate (100 units)
+    with pytest.raises(TenantBusy), gate.admit("a", 2):  # 50 ms refill 5 units: still in debt
+        pass
+    for _ in range(10):
+        with gate.admit("a", 1):  # calls without bulk still run, debt or not
+            pass
+    clock.now_s += 1.1  # one second of rate pays the capped debt
+    with gate.admit("a", 2):
+        pass
+    TenantGate(budget_units=0, max_requests=1, wait_ms=0).charge("a", 5)  # off: a no-op

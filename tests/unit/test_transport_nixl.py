@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transport_helpers import BB, NS_DIGEST, SPEC, blocks, keys, node, server, transport  # noqa: F401
 
+from kvpool.client.tickets import StaticTickets
 from kvpool.core.auth import parse_credentials, token_sha256
 from kvpool.core.keys import block_key
+from kvpool.core.tickets import DataTicket, TicketIssuer, new_secret
 from kvpool.daemon.cluster_local import eventually
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
@@ -209,16 +212,26 @@ def test_without_auth_no_address_no_metadata_and_a_foreign_namespace_is_denied(
                 ]
             }
         ).encode()
-    )
+    ).with_tickets(TicketIssuer(new_secret()))
     srv = NixlDataServer(NodeBlockStore(node), "127.0.0.1:0", credentials=creds)
+
+    def with_ticket_of(transport: NixlTransport, who: str) -> NixlTransport:
+        """The transport proving the ticket the node's control plane would give ``who``'s token."""
+        principal = creds.identify(who)
+        assert principal is not None
+        issued = creds.issue_ticket(principal, int(time.monotonic() * 1000))
+        assert issued is not None
+        transport.use_tickets(StaticTickets(DataTicket(*issued)))
+        return transport
+
     srv.start()
     try:
         ks, data = keys(2, 600), blocks(2, 8)
-        owner = NixlTransport(timeout_s=3.0, token=token)
+        owner = with_ticket_of(NixlTransport(timeout_s=3.0), token)
         assert owner.write(srv.address, NS_DIGEST, ks, data).stored == 2
         out = np.zeros_like(data)
         assert owner.read(srv.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out)).ok == 2
-        for stranger in (NixlTransport(timeout_s=3.0), NixlTransport(timeout_s=3.0, token=other_token)):
+        for stranger in (NixlTransport(timeout_s=3.0), with_ticket_of(NixlTransport(timeout_s=3.0), other_token)):
             got = stranger.read(srv.address, NS_DIGEST, [ReadItem(k) for k in ks], list(np.zeros_like(data)))
             assert got.ok == 0 and got.reason
             assert stranger.counters["nixl_reads"] == 0
