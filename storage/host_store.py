@@ -43,6 +43,7 @@ from kvpool.core.clock import Clock
 from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
 from kvpool.core.events import EventKind
+from kvpool.core.invariants import checked_after, require
 from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 
@@ -204,6 +205,7 @@ class HostStore:
         (the daemon counts lookup hits per tier with it, docs/architecture.md "Counters")."""
         return {"host": self.lookup(keys)}
 
+    @checked_after
     def drop_corrupt(self, keys: Sequence[bytes]) -> list[bytes]:
         """Re-verify the named blocks against their committed checksums and drop those whose
         bytes no longer match (counted in ``checksum_failures``, REMOVED sent), so the next
@@ -240,6 +242,7 @@ class HostStore:
     def _intact(self, entry: Entry) -> bool:
         return checksum64(self._buffer[entry.offset : entry.offset + entry.size]) == entry.checksum
 
+    @checked_after
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys for reading; their bytes stay put until release."""
         self._check_batch(keys)
@@ -270,6 +273,7 @@ class HostStore:
             self._leases[lease_id] = _Lease(entries, expires)
             return LeaseGrant(lease_id, [BlockLocation(e.offset, e.size, e.checksum) for e in entries], expires)
 
+    @checked_after
     def release(self, lease_id: int) -> None:
         """End a read lease. Releasing an unknown or expired lease raises LeaseExpired: the
         caller's copy may have raced with reuse of the slot and must be re-verified."""
@@ -282,6 +286,7 @@ class HostStore:
                 )
             self._drop_lease(lease)
 
+    @checked_after
     def release_many(self, lease_ids: Sequence[int]) -> int:
         """End several read leases under one lock; returns how many were unknown or expired
         (no exception per id: a caller sending thousands of stale ids costs one pass)."""
@@ -296,6 +301,7 @@ class HostStore:
             return unknown
 
     # -- writes --------------------------------------------------------------------------
+    @checked_after
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve a slot for every key not present nor being written. All or nothing."""
         self._check_batch(keys)
@@ -340,6 +346,7 @@ class HostStore:
             self._pending_keys.update(key for _, key in wanted)
             return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
 
+    @checked_after
     def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
         """Verify each written block against its checksum and make the good ones visible."""
         with self._lock:
@@ -410,6 +417,7 @@ class HostStore:
         with self._lock:
             return put_id in self._pending
 
+    @checked_after
     def put_abort(self, put_id: int) -> None:
         with self._lock:
             pending = self._pending.pop(put_id, None)
@@ -420,6 +428,7 @@ class HostStore:
                 self._alloc.free(offset)
             self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
 
+    @checked_after
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks; a leased one disappears from lookups now and is freed at release."""
         self._check_batch(keys)
@@ -439,6 +448,7 @@ class HostStore:
                 self._emit(EventKind.REMOVED, removed, namespace)
             return len(removed)
 
+    @checked_after
     def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
         """Pin present blocks: hard (ttl_ms None) until unpinned, soft until now + ttl_ms."""
         self._check_batch(keys)
@@ -461,6 +471,7 @@ class HostStore:
                 n += 1
             return n
 
+    @checked_after
     def unpin(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
         with self._lock:
@@ -474,6 +485,7 @@ class HostStore:
             return n
 
     # -- upkeep --------------------------------------------------------------------------
+    @checked_after
     def sweep(self) -> tuple[int, int]:
         """Drop expired leases and reclaim puts whose writer died. Returns (leases, puts)."""
         with self._lock:
@@ -496,6 +508,7 @@ class HostStore:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    @checked_after
     def set_tenant_quotas(self, quotas: dict[bytes, tuple[str, int]]) -> None:
         """Give tenants their own quotas: ``quotas`` maps each namespace of a tenant that has
         one to (tenant name, quota bytes); the namespace's bytes then count against the
@@ -538,6 +551,77 @@ class HostStore:
                 "reclaimed_puts": s.reclaimed_puts,
                 "namespace_quota_bytes": self.config.namespace_quota_bytes,
             }
+
+    def check_invariants(self) -> None:
+        """The store's rules (debug mode, ``kvpool.core.invariants``): every slot is owned by
+        exactly one committed, doomed or pending block; leases count what holds them; the
+        byte counts per namespace and tenant add up and stay within their quotas."""
+        name = "HostStore"
+        with self._lock:
+            self._alloc.check_invariants()
+            owner: dict[int, bytes] = {}
+            slot_bytes = 0
+            ns_bytes: dict[bytes, int] = {}
+
+            def own(offset: int, size: int, key: bytes) -> None:
+                nonlocal slot_bytes
+                require(name, "no two blocks share a slot", offset not in owner, lambda: f"offset {offset}")
+                require(
+                    name,
+                    "a block's slot is of its size class",
+                    self._alloc.slot_bytes_at(offset) == slot_size_for(size),
+                    lambda: f"{key.hex()} at {offset}: class {self._alloc.slot_bytes_at(offset)}, size {size}",
+                )
+                owner[offset] = key
+                slot_bytes += slot_size_for(size)
+
+            refs: dict[int, int] = {}
+            leased: dict[int, Entry] = {}
+            for lease in self._leases.values():
+                for entry in lease.entries:
+                    refs[id(entry)] = refs.get(id(entry), 0) + 1
+                    leased[id(entry)] = entry
+            for key, entry in self._index.items():
+                require(name, "an entry is indexed under its key", entry.key == key, key.hex)
+                require(name, "an indexed entry is not doomed", not entry.doomed, key.hex)
+                require(
+                    name,
+                    "lease counts match the leases",
+                    entry.leases == refs.get(id(entry), 0),
+                    lambda e=entry: f"{e.key.hex()}: {e.leases} != {refs.get(id(e), 0)}",
+                )
+                own(entry.offset, entry.size, key)
+                _bump(ns_bytes, entry.namespace, entry.size)
+            for ident, entry in leased.items():
+                if self._index.get(entry.key) is entry:
+                    continue
+                require(name, "a leased block that left the index is doomed", entry.doomed, entry.key.hex)
+                require(name, "lease counts match the leases", entry.leases == refs[ident], entry.key.hex)
+                own(entry.offset, entry.size, entry.key)
+            pending_keys: set[bytes] = set()
+            for put in self._pending.values():
+                for _, key, offset in put.slots:
+                    require(name, "a key is written by one put at a time", key not in pending_keys, key.hex)
+                    pending_keys.add(key)
+                    own(offset, put.block_bytes, key)
+                _bump(ns_bytes, put.namespace, len(put.slots) * put.block_bytes)
+            require(name, "pending keys are the pending puts' keys", pending_keys == self._pending_keys)
+            require(name, "allocated bytes are the blocks' slots", slot_bytes == self._alloc.used_bytes)
+            require(name, "namespace bytes add up", ns_bytes == self._ns_bytes, lambda: f"{ns_bytes} != {self._ns_bytes}")
+            tenant_bytes: dict[str, int] = {}
+            for ns, used in ns_bytes.items():
+                tenant = self._tenant_of.get(ns)
+                if tenant is not None:
+                    _bump(tenant_bytes, tenant[0], used)
+                elif self.config.namespace_quota_bytes:
+                    require(name, "a namespace stays within its quota", used <= self.config.namespace_quota_bytes)
+            require(name, "tenant bytes add up", tenant_bytes == self._tenant_bytes)
+            quotas = {tenant: quota for tenant, quota in self._tenant_of.values()}
+            for tenant, used in tenant_bytes.items():
+                require(name, "a tenant stays within its quota", used <= quotas[tenant], tenant)
+            require(name, "leases are bounded", len(self._leases) <= self.config.max_leases)
+            require(name, "puts in flight are bounded", len(self._pending) <= self.config.max_pending_puts)
+            require(name, "nothing is protected between puts", not self._protected)
 
     # -- internals -----------------------------------------------------------------------
     def _new_id(self) -> int:

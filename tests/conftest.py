@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvpool.core import invariants
 from kvpool.daemon.cluster_local import free_port
+
+# Debug invariants on for the whole suite: every store and directory checks its own rules
+# after each operation (kvpool/core/invariants.py), here and in every daemon a test starts.
+invariants.set_enabled(True)
+os.environ[invariants.ENV_VAR] = "1"
 
 __all__ = ["free_port"]  # tests import it from here
 
@@ -155,6 +161,7 @@ def start_daemon(
     full_env = dict(os.environ)
     for key in [k for k in full_env if k.startswith("KVPOOL_")]:
         del full_env[key]  # the developer's own settings must not leak into tests
+    full_env[invariants.ENV_VAR] = "1"
     full_env.update(env or {})
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=stderr_file)
     handle = DaemonHandle(address, port, proc, arena_dir, stderr_path, argv, stderr_file)
