@@ -147,7 +147,9 @@ class SlabAllocator:
             used = int(self._slab_used[slab])
             free_slots = self._slab_free_slots[slab]
             if slot_bytes == 0:
-                require(name, "a classless slab is free and empty", slab in free and used == 0 and not free_slots, str(slab))
+                require(
+                    name, "a classless slab is free and empty", slab in free and used == 0 and not free_slots, str(slab)
+                )
                 continue
             require(name, "a slab with a class is not free", slab not in free, str(slab))
             cls = self._classes.get(slot_bytes)
@@ -157,7 +159,7 @@ class SlabAllocator:
                 name,
                 "used and free slots fill the slab",
                 used > 0 and used + len(free_slots) == cls.slots_per_slab and len(set(free_slots)) == len(free_slots),
-                lambda s=slab: f"slab {s}: {used} used + {len(free_slots)} free != {cls.slots_per_slab}",
+                f"slab {slab}: {used} used + {len(free_slots)} free, {cls.slots_per_slab} slots",
             )
             require(name, "partial slabs are those with a free slot", (slab in cls.partial_pos) == bool(free_slots))
             used_bytes += used * slot_bytes
@@ -165,7 +167,9 @@ class SlabAllocator:
             require(name, "the partial index matches its list", len(cls.partial_pos) == len(cls.partial_slabs))
             for pos, slab in enumerate(cls.partial_slabs):
                 require(name, "the partial index matches its list", cls.partial_pos.get(slab) == pos, str(slab))
-        require(name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}")
+        require(
+            name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}"
+        )
 
     def _add_partial(self, cls: _SizeClass, slab: int) -> None:
         cls.partial_pos[slab] = len(cls.partial_slabs)

@@ -349,25 +349,25 @@ class BlockTable:
         with self.lock:
             removing = 0
             for key, rec in self._records.items():
-                require(name, "a record is not idle", not rec.idle(), lambda k=key: f"idle record for {k.hex()}")
+                require(name, "a record is not idle", not rec.idle(), key.hex)
                 require(
                     name,
                     "counts are not negative",
                     min(rec.removing, rec.promoting, rec.demoting, rec.hits, rec.generation) >= 0,
-                    lambda k=key: k.hex(),
+                    key.hex,
                 )
                 require(name, "moved_to names a lower tier", rec.moved_to in ("", *MOVED_TIERS), rec.moved_to)
                 require(
                     name,
                     "queued bytes are in the queue",
                     (rec.queued is not None) == (key in self._queue),
-                    lambda k=key: k.hex(),
+                    key.hex,
                 )
                 require(
                     name,
                     "taken and restored only during a remove",
                     rec.removing > 0 or not (rec.taken or rec.restored),
-                    lambda k=key: k.hex(),
+                    key.hex,
                 )
                 removing += rec.removing
             require(name, "the queue names records", all(k in self._records for k in self._queue))

@@ -143,15 +143,23 @@ class DiskSlots:
         for f in range(self.num_files):
             cls = self.file_class[f]
             if cls == 0:
-                require(name, "a classless file is empty", f in empty and self._used[f] == 0 and not self._free[f], str(f))
+                require(
+                    name, "a classless file is empty", f in empty and self._used[f] == 0 and not self._free[f], str(f)
+                )
                 continue
             require(name, "a file with a class is not listed empty", f not in empty, str(f))
             require(
                 name,
                 "used and free slots fill the file",
                 self._used[f] > 0 and self._used[f] + len(self._free[f]) == self.slots_per_file(cls),
-                lambda f=f: f"file {f}: {self._used[f]} used + {len(self._free[f])} free",
+                f"file {f}",
             )
-            require(name, "partial files are those with a free slot", (f in self._partial.get(cls, ())) == bool(self._free[f]))
+            require(
+                name,
+                "partial files are those with a free slot",
+                (f in self._partial.get(cls, ())) == bool(self._free[f]),
+            )
             used_bytes += self._used[f] * cls
-        require(name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}")
+        require(
+            name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}"
+        )

@@ -232,7 +232,9 @@ class DiskState:
             for key, entry in self.index.items():
                 require(name, "an entry is indexed under its key", entry.key == key, key.hex)
                 require(name, "an indexed entry is not doomed", not entry.doomed, key.hex)
-                require(name, "an indexed block owns its slot", self.slot_owner.get(self.slot_key(entry)) is entry, key.hex)
+                require(
+                    name, "an indexed block owns its slot", self.slot_owner.get(self.slot_key(entry)) is entry, key.hex
+                )
                 require(
                     name,
                     "a block's slot is of its file's class",

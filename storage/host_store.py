@@ -43,9 +43,10 @@ from kvpool.core.clock import Clock
 from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
 from kvpool.core.events import EventKind
-from kvpool.core.invariants import checked_after, require
+from kvpool.core.invariants import checked_after
 from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
+from kvpool.storage.host_checks import check_host_store
 
 
 class EventSink(Protocol):
@@ -555,73 +556,10 @@ class HostStore:
     def check_invariants(self) -> None:
         """The store's rules (debug mode, ``kvpool.core.invariants``): every slot is owned by
         exactly one committed, doomed or pending block; leases count what holds them; the
-        byte counts per namespace and tenant add up and stay within their quotas."""
-        name = "HostStore"
+        byte counts per namespace and tenant add up and stay within their quotas
+        (``storage/host_checks.py``)."""
         with self._lock:
-            self._alloc.check_invariants()
-            owner: dict[int, bytes] = {}
-            slot_bytes = 0
-            ns_bytes: dict[bytes, int] = {}
-
-            def own(offset: int, size: int, key: bytes) -> None:
-                nonlocal slot_bytes
-                require(name, "no two blocks share a slot", offset not in owner, lambda: f"offset {offset}")
-                require(
-                    name,
-                    "a block's slot is of its size class",
-                    self._alloc.slot_bytes_at(offset) == slot_size_for(size),
-                    lambda: f"{key.hex()} at {offset}: class {self._alloc.slot_bytes_at(offset)}, size {size}",
-                )
-                owner[offset] = key
-                slot_bytes += slot_size_for(size)
-
-            refs: dict[int, int] = {}
-            leased: dict[int, Entry] = {}
-            for lease in self._leases.values():
-                for entry in lease.entries:
-                    refs[id(entry)] = refs.get(id(entry), 0) + 1
-                    leased[id(entry)] = entry
-            for key, entry in self._index.items():
-                require(name, "an entry is indexed under its key", entry.key == key, key.hex)
-                require(name, "an indexed entry is not doomed", not entry.doomed, key.hex)
-                require(
-                    name,
-                    "lease counts match the leases",
-                    entry.leases == refs.get(id(entry), 0),
-                    lambda e=entry: f"{e.key.hex()}: {e.leases} != {refs.get(id(e), 0)}",
-                )
-                own(entry.offset, entry.size, key)
-                _bump(ns_bytes, entry.namespace, entry.size)
-            for ident, entry in leased.items():
-                if self._index.get(entry.key) is entry:
-                    continue
-                require(name, "a leased block that left the index is doomed", entry.doomed, entry.key.hex)
-                require(name, "lease counts match the leases", entry.leases == refs[ident], entry.key.hex)
-                own(entry.offset, entry.size, entry.key)
-            pending_keys: set[bytes] = set()
-            for put in self._pending.values():
-                for _, key, offset in put.slots:
-                    require(name, "a key is written by one put at a time", key not in pending_keys, key.hex)
-                    pending_keys.add(key)
-                    own(offset, put.block_bytes, key)
-                _bump(ns_bytes, put.namespace, len(put.slots) * put.block_bytes)
-            require(name, "pending keys are the pending puts' keys", pending_keys == self._pending_keys)
-            require(name, "allocated bytes are the blocks' slots", slot_bytes == self._alloc.used_bytes)
-            require(name, "namespace bytes add up", ns_bytes == self._ns_bytes, lambda: f"{ns_bytes} != {self._ns_bytes}")
-            tenant_bytes: dict[str, int] = {}
-            for ns, used in ns_bytes.items():
-                tenant = self._tenant_of.get(ns)
-                if tenant is not None:
-                    _bump(tenant_bytes, tenant[0], used)
-                elif self.config.namespace_quota_bytes:
-                    require(name, "a namespace stays within its quota", used <= self.config.namespace_quota_bytes)
-            require(name, "tenant bytes add up", tenant_bytes == self._tenant_bytes)
-            quotas = {tenant: quota for tenant, quota in self._tenant_of.values()}
-            for tenant, used in tenant_bytes.items():
-                require(name, "a tenant stays within its quota", used <= quotas[tenant], tenant)
-            require(name, "leases are bounded", len(self._leases) <= self.config.max_leases)
-            require(name, "puts in flight are bounded", len(self._pending) <= self.config.max_pending_puts)
-            require(name, "nothing is protected between puts", not self._protected)
+            check_host_store(self)
 
     # -- internals -----------------------------------------------------------------------
     def _new_id(self) -> int:

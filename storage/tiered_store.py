@@ -29,9 +29,9 @@ the tiers it has.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,26 +55,12 @@ from kvpool.storage.host_store import (
     PutGrant,
 )
 from kvpool.storage.shutdown_flush import ShutdownFlushReport, flush_host_to_disk
+from kvpool.storage.tier_stats import HostTierStats, tiered_summary
 
 log = logging.getLogger(__name__)
 
 #: host hits after which a block is copied up to the device tier
 DEVICE_PROMOTE_AFTER_HITS = 2
-
-
-@dataclass
-class HostTierStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_in: int = 0  # committed puts + promotions into the host arena
-    bytes_out: int = 0  # bytes of blocks leased to readers
-    promotions: int = 0  # blocks promoted into host from a lower/other tier (by a lease or a pin)
-    lower_hits: int = 0  # host misses that a lease served after promoting them
-    promotion_failures: int = 0  # promotions that found no host room
-    demotions: int = 0  # host evictions handed to the disk queue
-    demotion_drops: int = 0  # evictions that could not be demoted (queue full / tier down)
-    admission_skips: int = 0  # evictions kept off disk by second-hit admission
-    checksum_failures: int = 0  # host bytes that failed their checksum on the way down
 
 
 class TieredStore:
@@ -388,42 +374,21 @@ class TieredStore:
 
     def summary(self) -> dict[str, Any]:
         """The host store's keys (hits/misses now count every tier) plus ``tiers``."""
-        out: dict[str, Any] = dict(self.host.summary())
+        host = self.host.summary()
         with self._lock:
-            h = self.host_stats
-            host = {
-                "capacity_bytes": out["capacity_bytes"],
-                "used_bytes": out["used_bytes"],
-                "blocks": out["blocks"],
-                "hits": h.hits,
-                "misses": h.misses,
-                "bytes_in": h.bytes_in + out["put_bytes"],
-                "bytes_out": h.bytes_out,
-                "promotions": h.promotions,
-                "lower_hits": h.lower_hits,
-                "promotion_failures": h.promotion_failures,
-                "demotions": h.demotions,
-                "demotion_drops": h.demotion_drops,
-                "admission_skips": h.admission_skips,
-                "evictions": out["evictions"],
-                "checksum_failures": out["checksum_failures"] + h.checksum_failures,
-            }
-        tiers: dict[str, Any] = {"host": host}
-        if self.disk is not None:
-            tiers["disk"] = {"enabled": True, **self.disk.summary()}
-        else:
-            tiers["disk"] = {"enabled": False, "fault": self.disk_fault}
-        if self.device is not None:
-            tiers["device"] = {"enabled": True, **self.device.summary()}
-        else:
-            tiers["device"] = {"enabled": False, "fault": self.device_fault}
-        out["tiers"] = tiers
-        # every tier's failed checks: host (at commit, on eviction, reported by readers),
-        # disk and device (on their reads); each such block was dropped
-        out["checksum_failures"] = sum(int(t.get("checksum_failures", 0)) for t in tiers.values())
-        out["hits"] = host["hits"] + host["lower_hits"]  # blocks served through leases, any tier
-        out["misses"] = host["misses"] - host["lower_hits"]  # asked for and not served by any tier
-        return out
+            stats = dataclasses.replace(self.host_stats)
+        disk = {"enabled": True, **self.disk.summary()} if self.disk is not None else None
+        device = {"enabled": True, **self.device.summary()} if self.device is not None else None
+        return tiered_summary(
+            host,
+            stats,
+            disk or {"enabled": False, "fault": self.disk_fault},
+            device
+            or {
+                "enabled": False,
+                "fault": self.device_fault,
+            },
+        )
 
     # -- promotion -------------------------------------------------------------------------
     def _lower_has(self, key: bytes) -> bool:

@@ -156,14 +156,14 @@ class BlockIndex:
                     name,
                     "every key of an attached node is in the holder map",
                     holders is not None and holders.get(slot) == tier,
-                    lambda k=key, n=node: f"{k.hex()} of {n.node_id}",
+                    key.hex,
                 )
             held += len(node.keys)
         pairs = 0
         for key, holders in self._holders.items():
             require(name, "a held key has a holder", bool(holders), key.hex)
             for slot in holders:
-                require(name, "a holder is an attached node", slot in self._by_slot, lambda k=key: k.hex())
+                require(name, "a holder is an attached node", slot in self._by_slot, key.hex)
             pairs += len(holders)
         require(name, "holders are the nodes' keys", pairs == held, f"{pairs} holder entries, {held} node keys")
 

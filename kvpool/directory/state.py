@@ -398,7 +398,10 @@ class DirectoryState:
             for node_id, node in self._nodes.items():
                 require("DirectoryState", "a registered node is alive", node.alive and node.node_id == node_id, node_id)
                 require(
-                    "DirectoryState", "a registered node is in the index", self._index.node_at(node.slot) is node, node_id
+                    "DirectoryState",
+                    "a registered node is in the index",
+                    self._index.node_at(node.slot) is node,
+                    node_id,
                 )
             require("DirectoryState", "namespaces are bounded", len(self._namespaces) <= MAX_NAMESPACES)
 

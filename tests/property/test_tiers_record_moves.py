@@ -213,7 +213,8 @@ class MovesInFlight(RuleBasedStateMachine):
         left host meanwhile, so first push host blocks that HBM holds out with a put."""
         device = self.store.device
         assert device is not None
-        if all(self.store.host.entry(k) is not None for k in device.keys()):
+        in_hbm = device.keys()
+        if all(self.store.host.entry(k) is not None for k in in_hbm):
             self.put_run((i + KEYS // 2) % KEYS, 8)
         for j in range(6):
             if self.store.records.queued_keys():
