@@ -335,8 +335,11 @@ class BlockTable:
         """One host hit for each of ``keys``; returns those that just reached ``hot_after``."""
         with self.lock:
             hot = []
-            for key in keys:
-                rec = self._record(key)
+            records = self._records
+            for key in keys:  # the lease path: no call per key
+                rec = records.get(key)
+                if rec is None:
+                    rec = records[key] = BlockRecord()
                 rec.hits += 1
                 if rec.hits == hot_after:
                     hot.append(key)

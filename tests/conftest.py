@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvpool.core import invariants
-from kvpool.daemon.cluster_local import free_port
 
 # Debug invariants on for the whole suite: every store and directory checks its own rules
 # after each operation (kvpool/core/invariants.py), here and in every daemon a test starts.
+# Set before anything imports the stores: the checks are attached when their classes are.
 invariants.set_enabled(True)
 os.environ[invariants.ENV_VAR] = "1"
+
+from kvpool.daemon.cluster_local import free_port  # noqa: E402  (after the switch, on purpose)
 
 __all__ = ["free_port"]  # tests import it from here
 

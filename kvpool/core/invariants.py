@@ -7,16 +7,20 @@ invariant that does not hold. The mutating operations are decorated with
 ``checked_after``, the one place per operation where the check is called.
 
 Off by default: a check walks the whole structure (O(blocks)), which no production node
-should pay per call; off, the cost is one attribute test per operation. The test suite
-turns it on (``tests/conftest.py``: in-process with ``set_enabled(True)``, in the daemons
-it starts with ``KVPOOL_DEBUG_INVARIANTS=1``, which only the composition root reads:
-``kvpool.cli.main``). A violation is a bug in kvpool, never a user error, so it is
+should pay per call. Off, it costs nothing: ``checked_after`` decides when the class is
+defined, so the switch must be set before ``kvpool.storage`` / ``kvpool.directory`` are
+imported (the composition root ``kvpool.cli.main`` reads ``KVPOOL_DEBUG_INVARIANTS=1``
+before it imports any subcommand; ``tests/conftest.py`` sets it before its own imports and
+passes the variable to every daemon it starts). Turned on later, it warns that the
+operations already defined are not checked. Turned off later, the wrapped operations stop
+checking. A violation is a bug in kvpool, never a user error, so it is
 ``ErrorCode.INTERNAL`` and says which structure and which invariant.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -41,19 +45,31 @@ class InvariantViolated(KVPoolError):
         )
 
 
-class _Switch:
-    """The process-wide switch (set once by the composition root or the test harness)."""
+log = logging.getLogger(__name__)
 
-    __slots__ = ("on",)
+
+class _Switch:
+    """The process-wide switch (set once by the composition root or the test harness);
+    ``bare`` counts the operations defined while it was off (left without a check)."""
+
+    __slots__ = ("bare", "on")
 
     def __init__(self) -> None:
         self.on = False
+        self.bare = 0
 
 
 DEBUG = _Switch()
 
 
 def set_enabled(on: bool) -> None:
+    if on and not DEBUG.on and DEBUG.bare:
+        log.warning(
+            "debug invariants turned on after %d operations were defined without checks: set %s=1 "
+            "(or set_enabled) before importing kvpool.storage / kvpool.directory",
+            DEBUG.bare,
+            ENV_VAR,
+        )
     DEBUG.on = on
 
 
@@ -82,7 +98,11 @@ M = TypeVar("M", bound=Callable[..., Any])
 
 
 def checked_after(method: M) -> M:
-    """Run ``self.check_invariants()`` after ``method`` returns, when debug mode is on."""
+    """Run ``self.check_invariants()`` after ``method`` returns, when debug mode is on.
+    With debug mode off when the class is defined, ``method`` is returned as it is."""
+    if not DEBUG.on:
+        DEBUG.bare += 1
+        return method
 
     @functools.wraps(method)
     def wrapper(self: Checked, *args: Any, **kwargs: Any) -> Any:

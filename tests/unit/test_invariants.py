@@ -238,3 +238,17 @@ def test_placement() -> None:
     violated(lambda: check_placement([a, b], [a, b], None, 1), "placement", "at most the replicas asked for")
     b.alive = False
     violated(lambda: check_placement([b], [a, b], None, 1), "placement", "only live nodes")
+
+
+def test_an_operation_defined_with_debug_off_is_left_as_it_is() -> None:
+    """Production pays nothing: with the switch off when a class is defined, its operations
+    are the plain functions (no wrapper, no attribute test)."""
+    invariants.set_enabled(False)
+    try:
+
+        def operation(self: object) -> int:
+            return 1
+
+        assert invariants.checked_after(operation) is operation
+    finally:
+        invariants.set_enabled(True)
