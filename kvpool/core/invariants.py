@@ -10,8 +10,8 @@ Off by default: a check walks the whole structure (O(blocks)), which no producti
 should pay per call. Off, it costs nothing: ``checked_after`` decides when the class is
 defined, so the switch must be set before ``kvpool.storage`` / ``kvpool.directory`` are
 imported (the composition root ``kvpool.cli.main`` reads ``KVPOOL_DEBUG_INVARIANTS=1``
-before it imports any subcommand; ``tests/conftest.py`` sets it before its own imports and
-passes the variable to every daemon it starts). Turned on later, it warns that the
+before it imports any subcommand; ``tests/conftest.py`` sets it before its own imports, for
+the stores and directories tests build in-process). Turned on later, it warns that the
 operations already defined are not checked. Turned off later, the wrapped operations stop
 checking. A violation is a bug in kvpool, never a user error, so it is
 ``ErrorCode.INTERNAL`` and says which structure and which invariant.
