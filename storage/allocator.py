@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.core.errors import InvalidArgument
+from kvpool.core.invariants import require
 
 SLOT_ALIGN_BYTES = 64
 
@@ -131,6 +132,44 @@ class SlabAllocator:
     def can_alloc(self, block_bytes: int) -> bool:
         cls = self._classes.get(slot_size_for(block_bytes))
         return bool(self._free_slabs) or (cls is not None and bool(cls.partial_slabs))
+
+    def check_invariants(self) -> None:
+        """The allocator's accounting (debug mode; its owner calls it under its lock): each
+        slab is free or of one class, its used and free slots add up to the class's slots,
+        the partial lists are exactly the class slabs with a free slot, and ``used_bytes``
+        is the sum of the used slots."""
+        name = "SlabAllocator"
+        free = set(self._free_slabs)
+        require(name, "a free slab is listed once", len(free) == len(self._free_slabs))
+        used_bytes = 0
+        for slab in range(self.num_slabs):
+            slot_bytes = int(self._slab_class[slab])
+            used = int(self._slab_used[slab])
+            free_slots = self._slab_free_slots[slab]
+            if slot_bytes == 0:
+                require(
+                    name, "a classless slab is free and empty", slab in free and used == 0 and not free_slots, str(slab)
+                )
+                continue
+            require(name, "a slab with a class is not free", slab not in free, str(slab))
+            cls = self._classes.get(slot_bytes)
+            require(name, "a slab's class is known", cls is not None, str(slot_bytes))
+            assert cls is not None
+            require(
+                name,
+                "used and free slots fill the slab",
+                used > 0 and used + len(free_slots) == cls.slots_per_slab and len(set(free_slots)) == len(free_slots),
+                f"slab {slab}: {used} used + {len(free_slots)} free, {cls.slots_per_slab} slots",
+            )
+            require(name, "partial slabs are those with a free slot", (slab in cls.partial_pos) == bool(free_slots))
+            used_bytes += used * slot_bytes
+        for cls in self._classes.values():
+            require(name, "the partial index matches its list", len(cls.partial_pos) == len(cls.partial_slabs))
+            for pos, slab in enumerate(cls.partial_slabs):
+                require(name, "the partial index matches its list", cls.partial_pos.get(slab) == pos, str(slab))
+        require(
+            name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}"
+        )
 
     def _add_partial(self, cls: _SizeClass, slab: int) -> None:
         cls.partial_pos[slab] = len(cls.partial_slabs)

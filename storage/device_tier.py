@@ -22,6 +22,7 @@ import numpy as np
 
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument, StorageFault
+from kvpool.core.invariants import checked_after, require
 from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, make_policy
 
@@ -124,6 +125,7 @@ class DeviceTier:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    @checked_after
     def put(self, key: bytes, namespace: bytes, data: np.ndarray, checksum: int) -> bool:
         """Copy a host block into the device arena, evicting by policy. False if no room."""
         with self._lock:
@@ -147,6 +149,7 @@ class DeviceTier:
             self.stats.bytes_in += size
             return True
 
+    @checked_after
     def get(self, key: bytes) -> tuple[bytes, int, np.ndarray] | None:
         """(namespace, checksum, host copy of the bytes), verified against the checksum the
         block arrived with; None on a miss or a failed check (the block is then dropped and
@@ -176,6 +179,7 @@ class DeviceTier:
                 return None
             return self.arena[entry.offset : entry.offset + entry.size]
 
+    @checked_after
     def remove(self, key: bytes) -> bool:
         with self._lock:
             entry = self._index.get(key)
@@ -232,6 +236,27 @@ class DeviceTier:
                 "rejected": s.rejected,
                 "host_pinned": bool(self._pinned),
             }
+
+    def check_invariants(self) -> None:
+        """Every held block owns one slot of its size class and the allocator's bytes are
+        exactly theirs (debug mode, ``kvpool.core.invariants``)."""
+        name = "DeviceTier"
+        with self._lock:
+            self._alloc.check_invariants()
+            offsets: set[int] = set()
+            slot_bytes = 0
+            for key, entry in self._index.items():
+                require(name, "an entry is indexed under its key", entry.key == key, key.hex)
+                require(name, "no two blocks share a slot", entry.offset not in offsets, key.hex)
+                require(
+                    name,
+                    "a block's slot is of its size class",
+                    self._alloc.slot_bytes_at(entry.offset) == slot_size_for(entry.size),
+                    key.hex,
+                )
+                offsets.add(entry.offset)
+                slot_bytes += slot_size_for(entry.size)
+            require(name, "allocated bytes are the blocks' slots", slot_bytes == self._alloc.used_bytes)
 
     # -- internals -----------------------------------------------------------------------
     def _copy_out(self, entry: _DeviceEntry) -> np.ndarray:

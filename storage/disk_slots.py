@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool.core.errors import InvalidArgument
+from kvpool.core.invariants import require
 from kvpool.storage.disk_layout import IO_ALIGN_BYTES, file_layout
 
 
@@ -131,3 +132,34 @@ class DiskSlots:
                 self._partial.setdefault(slot_bytes, set()).add(f)
         self._empty_files = [f for f in range(self.num_files - 1, -1, -1) if self.file_class[f] == 0]
         self._recovering = {}
+
+    def check_invariants(self) -> None:
+        """Slot accounting (debug mode; called under the tier's lock, after recovery): each
+        file is empty or of one class with its used and free slots filling it, the partial
+        sets are exactly the files with a free slot, and ``used_bytes`` adds up."""
+        name = "DiskSlots"
+        empty = set(self._empty_files)
+        used_bytes = 0
+        for f in range(self.num_files):
+            cls = self.file_class[f]
+            if cls == 0:
+                require(
+                    name, "a classless file is empty", f in empty and self._used[f] == 0 and not self._free[f], str(f)
+                )
+                continue
+            require(name, "a file with a class is not listed empty", f not in empty, str(f))
+            require(
+                name,
+                "used and free slots fill the file",
+                self._used[f] > 0 and self._used[f] + len(self._free[f]) == self.slots_per_file(cls),
+                f"file {f}",
+            )
+            require(
+                name,
+                "partial files are those with a free slot",
+                (f in self._partial.get(cls, ())) == bool(self._free[f]),
+            )
+            used_bytes += self._used[f] * cls
+        require(
+            name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}"
+        )

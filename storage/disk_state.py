@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.core.errors import StorageFault
+from kvpool.core.invariants import require
 from kvpool.storage.disk_files import SlabFiles
 from kvpool.storage.disk_index import DiskEntry, DiskIndexDB
 from kvpool.storage.disk_layout import FILE_HEADER_BYTES, BufferPool
@@ -223,3 +224,33 @@ class DiskState:
     def evictable(self, key: bytes) -> bool:
         entry = self.index.get(key)
         return entry is not None and entry.readers == 0
+
+    def check_invariants(self) -> None:
+        """The tier's rules (debug mode; takes the lock; skipped while background recovery
+        has not installed the index): every indexed block owns its slot, of its file's
+        class, and is not doomed; queued blocks are live; the slots add up."""
+        name = "DiskState"
+        with self.lock:
+            if not self.recovered.is_set() or self.closed:
+                return
+            self.slots.check_invariants()
+            indexed = 0
+            for key, entry in self.index.items():
+                require(name, "an entry is indexed under its key", entry.key == key, key.hex)
+                require(name, "an indexed entry is not doomed", not entry.doomed, key.hex)
+                require(
+                    name, "an indexed block owns its slot", self.slot_owner.get(self.slot_key(entry)) is entry, key.hex
+                )
+                require(
+                    name,
+                    "a block's slot is of its file's class",
+                    self.slots.file_class[entry.file] == entry.slot_bytes,
+                    key.hex,
+                )
+                require(name, "readers are not negative", entry.readers >= 0, key.hex)
+                indexed += entry.slot_bytes
+            for entry in self.slot_owner.values():
+                require(name, "a slot's owner is indexed", self.index.get(entry.key) is entry, entry.key.hex)
+            for key, block in self.queued.items():
+                require(name, "a queued block is live", block.key == key and not block.cancelled, key.hex)
+            require(name, "indexed blocks fit the used slots", indexed <= self.slots.used_bytes)

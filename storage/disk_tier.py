@@ -39,6 +39,7 @@ import numpy as np
 
 from kvpool.core.errors import InvalidArgument, StorageFault
 from kvpool.core.hashing import HASH_SCHEME
+from kvpool.core.invariants import checked_after
 from kvpool.storage.disk_files import SlabFiles
 from kvpool.storage.disk_full import DiskFull
 from kvpool.storage.disk_index import LMDB_MAP_BYTES, DiskEntry, delete_durably
@@ -314,11 +315,13 @@ class DiskTier:
             return len(self._st.queued)
 
     # -- reads and writes -------------------------------------------------------------------
+    @checked_after
     def enqueue(self, key: bytes, namespace: bytes, data: np.ndarray, checksum: int) -> bool:
         """Copy a block into the write-behind queue; False when not taken (already there,
         queue full: counted in ``stats.queue_full_drops``, tier closed). Never blocks."""
         return self._writer.enqueue(key, namespace, data, checksum)
 
+    @checked_after
     def write_now(self, blocks: Sequence[tuple[bytes, bytes, np.ndarray, int]]) -> int:
         """Write blocks synchronously (bypassing the queue); returns how many were committed."""
         return self._writer.write_now(blocks)
@@ -327,12 +330,14 @@ class DiskTier:
         """Wait until every queued block is written (or dropped). True if drained in time."""
         return self._writer.flush(timeout_s)
 
+    @checked_after
     def read_many(self, keys: Sequence[bytes]) -> list[DiskBlock | None]:
         """Read and verify blocks in parallel; None for a miss or a block that failed its
         checks (which is dropped from the tier and counted)."""
         return self._reader.read_many(keys)
 
     # -- removal and shutdown ------------------------------------------------------------
+    @checked_after
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Forget blocks (durably); returns the keys that were here. A block being read is
         forgotten now; its slot is only reused once the read is done (readers hold it)."""
@@ -360,6 +365,10 @@ class DiskTier:
         if gone:
             self._delete(gone)
         return gone
+
+    def check_invariants(self) -> None:
+        """The tier's state rules (``DiskState.check_invariants``; debug mode)."""
+        self._st.check_invariants()
 
     def summary(self) -> dict[str, object]:
         st = self._st

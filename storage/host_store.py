@@ -43,8 +43,10 @@ from kvpool.core.clock import Clock
 from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
 from kvpool.core.events import EventKind
+from kvpool.core.invariants import checked_after
 from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
+from kvpool.storage.host_checks import check_host_store
 
 
 class EventSink(Protocol):
@@ -173,6 +175,9 @@ class HostStore:
         self._index: dict[bytes, Entry] = {}
         self._pending: dict[int, _PendingPut] = {}
         self._pending_keys: set[bytes] = set()
+        # puts between the two halves of put_commit (verifying outside the lock): their slots
+        # are still allocated and their keys still in flight
+        self._verifying: dict[int, _PendingPut] = {}
         self._leases: dict[int, _Lease] = {}
         self._id_source: Callable[[], int] = id_source if id_source is not None else itertools.count(1).__next__
         self._lock = threading.RLock()
@@ -213,6 +218,7 @@ class HostStore:
         (the daemon counts lookup hits per tier with it, docs/architecture.md "Counters")."""
         return {"host": self.lookup(keys)}
 
+    @checked_after
     def drop_corrupt(self, keys: Sequence[bytes]) -> list[bytes]:
         """Re-verify the named blocks against their committed checksums and drop those whose
         bytes no longer match (counted in ``checksum_failures``, REMOVED sent), so the next
@@ -249,6 +255,7 @@ class HostStore:
     def _intact(self, entry: Entry) -> bool:
         return checksum64(self._buffer[entry.offset : entry.offset + entry.size]) == entry.checksum
 
+    @checked_after
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys for reading; their bytes stay put until release."""
         self._check_batch(keys)
@@ -279,6 +286,7 @@ class HostStore:
             self._leases[lease_id] = _Lease(entries, expires)
             return LeaseGrant(lease_id, [BlockLocation(e.offset, e.size, e.checksum) for e in entries], expires)
 
+    @checked_after
     def release(self, lease_id: int) -> None:
         """End a read lease. Releasing an unknown or expired lease raises LeaseExpired: the
         caller's copy may have raced with reuse of the slot and must be re-verified."""
@@ -291,6 +299,7 @@ class HostStore:
                 )
             self._drop_lease(lease)
 
+    @checked_after
     def release_many(self, lease_ids: Sequence[int]) -> int:
         """End several read leases under one lock; returns how many were unknown or expired
         (no exception per id: a caller sending thousands of stale ids costs one pass)."""
@@ -305,6 +314,7 @@ class HostStore:
             return unknown
 
     # -- writes --------------------------------------------------------------------------
+    @checked_after
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve a slot for every key not present nor being written. All or nothing."""
         self._check_batch(keys)
@@ -349,6 +359,7 @@ class HostStore:
             self._pending_keys.update(key for _, key in wanted)
             return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
 
+    @checked_after
     def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
         """Verify each written block against its checksum and make the good ones visible.
 
@@ -365,19 +376,24 @@ class HostStore:
                     hint="start the put again",
                 )
             if len(checksums) != len(pending.slots):
-                self._pending_keys.difference_update(key for _, key, _ in pending.slots)
-                for _, _, off in pending.slots:
-                    self._alloc.free(off)
-                self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
+                self._drop_put(pending)
                 raise InvalidArgument(
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
+            self._verifying[put_id] = pending
         size = pending.block_bytes
-        matches = [
-            checksum64(self._buffer[offset : offset + size]) == checksum
-            for (_, _, offset), checksum in zip(pending.slots, checksums, strict=True)
-        ]
+        try:
+            matches = [
+                checksum64(self._buffer[offset : offset + size]) == checksum
+                for (_, _, offset), checksum in zip(pending.slots, checksums, strict=True)
+            ]
+        except BaseException:  # nothing is indexed: the put is aborted, its slots freed
+            with self._lock:
+                del self._verifying[put_id]
+                self._drop_put(pending)
+            raise
         with self._lock:
+            del self._verifying[put_id]
             self._pending_keys.difference_update(key for _, key, _ in pending.slots)
             committed: list[bytes] = []
             failed: list[int] = []
@@ -397,6 +413,13 @@ class HostStore:
             if committed:
                 self._emit(EventKind.STORED, committed, pending.namespace)
             return CommitResult(len(committed), failed)
+
+    def _drop_put(self, pending: _PendingPut) -> None:
+        """Forget a put taken out of ``_pending``: its keys, slots and bytes (lock held)."""
+        self._pending_keys.difference_update(key for _, key, _ in pending.slots)
+        for _, _, off in pending.slots:
+            self._alloc.free(off)
+        self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
 
     def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
         """Copy one block into ``grant.slots[slot]`` of a pending put, only if that put still
@@ -443,16 +466,15 @@ class HostStore:
         with self._lock:
             return put_id in self._pending
 
+    @checked_after
     def put_abort(self, put_id: int) -> None:
         with self._lock:
             pending = self._pending.pop(put_id, None)
             if pending is None:
                 return
-            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
-            for _, _, offset in pending.slots:
-                self._alloc.free(offset)
-            self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
+            self._drop_put(pending)
 
+    @checked_after
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks; a leased one disappears from lookups now and is freed at release."""
         self._check_batch(keys)
@@ -472,6 +494,7 @@ class HostStore:
                 self._emit(EventKind.REMOVED, removed, namespace)
             return len(removed)
 
+    @checked_after
     def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
         """Pin present blocks: hard (ttl_ms None) until unpinned, soft until now + ttl_ms."""
         self._check_batch(keys)
@@ -494,6 +517,7 @@ class HostStore:
                 n += 1
             return n
 
+    @checked_after
     def unpin(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
         with self._lock:
@@ -507,6 +531,7 @@ class HostStore:
             return n
 
     # -- upkeep --------------------------------------------------------------------------
+    @checked_after
     def sweep(self) -> tuple[int, int]:
         """Drop expired leases and reclaim puts whose writer died. Returns (leases, puts)."""
         with self._lock:
@@ -529,6 +554,7 @@ class HostStore:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    @checked_after
     def set_tenant_quotas(self, quotas: dict[bytes, tuple[str, int]]) -> None:
         """Give tenants their own quotas: ``quotas`` maps each namespace of a tenant that has
         one to (tenant name, quota bytes); the namespace's bytes then count against the
@@ -571,6 +597,14 @@ class HostStore:
                 "reclaimed_puts": s.reclaimed_puts,
                 "namespace_quota_bytes": self.config.namespace_quota_bytes,
             }
+
+    def check_invariants(self) -> None:
+        """The store's rules (debug mode, ``kvpool.core.invariants``): every slot is owned by
+        exactly one committed, doomed or pending block; leases count what holds them; the
+        byte counts per namespace and tenant add up and stay within their quotas
+        (``storage/host_checks.py``)."""
+        with self._lock:
+            check_host_store(self)
 
     # -- internals -----------------------------------------------------------------------
     def _new_id(self) -> int:

@@ -29,11 +29,10 @@ the tiers it has.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +42,8 @@ from kvpool.core.clock import Clock
 from kvpool.core.config import StoreConfig, TierConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, LeaseExpired, StorageFault
 from kvpool.core.events import EventKind
+from kvpool.core.invariants import checked_after, require
+from kvpool.storage.block_record import BlockTable, DeviceDemotion, Fence
 from kvpool.storage.device_tier import DeviceTier
 from kvpool.storage.disk_tier import DiskBlock, DiskTier
 from kvpool.storage.eviction import make_policy
@@ -55,26 +56,12 @@ from kvpool.storage.host_store import (
     PutGrant,
 )
 from kvpool.storage.shutdown_flush import ShutdownFlushReport, flush_host_to_disk
+from kvpool.storage.tier_stats import HostTierStats, tiered_summary
 
 log = logging.getLogger(__name__)
 
 #: host hits after which a block is copied up to the device tier
 DEVICE_PROMOTE_AFTER_HITS = 2
-
-
-@dataclass
-class HostTierStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_in: int = 0  # committed puts + promotions into the host arena
-    bytes_out: int = 0  # bytes of blocks leased to readers
-    promotions: int = 0  # blocks promoted into host from a lower/other tier (by a lease or a pin)
-    lower_hits: int = 0  # host misses that a lease served after promoting them
-    promotion_failures: int = 0  # promotions that found no host room
-    demotions: int = 0  # host evictions handed to the disk queue
-    demotion_drops: int = 0  # evictions that could not be demoted (queue full / tier down)
-    admission_skips: int = 0  # evictions kept off disk by second-hit admission
-    checksum_failures: int = 0  # host bytes that failed their checksum on the way down
 
 
 class TieredStore:
@@ -98,27 +85,11 @@ class TieredStore:
         self.tier_config = tiers
         self._buffer = buffer
         self._on_event = on_event
-        self._lock = threading.Lock()
-        # host evictions of blocks that stay on the node -> the tier they now live in
-        self._moved_to: dict[bytes, str] = {}
-        # host evictions whose bytes failed their checksum on the way down (not demoted)
-        self._failed_on_evict: set[bytes] = set()
+        # every block's moves, removals, hits and pending events: one record per block, one
+        # lock (storage/block_record.py); the counters below are kept under the same lock
+        self.records = BlockTable(self.GHOST_KEYS)
+        self._lock = self.records.lock
         self._lease_note = threading.local()  # why this thread's last lease could not promote
-        self._host_hits: dict[bytes, int] = {}
-        self._ghost: OrderedDict[bytes, None] = OrderedDict()
-        self._device_demoted: list[tuple[bytes, bytes, int, np.ndarray]] = []
-        # device demotions a drain has taken off ``_device_demoted`` and not finished: key -> count
-        self._draining: dict[bytes, int] = {}
-        # Removal fences. A promotion (lower tier -> host) or a device demotion reads a block
-        # outside every lock and commits it into host later; a remove() in between must win.
-        # The mover records ``_removal_seq`` before it reads and, before and after its commit,
-        # asks ``_removed_since``: a key is fenced while a remove() works on it
-        # (``_removing``) and once one finished after the mover started (``_removed_seq``,
-        # kept only while some mover is in flight, so it stays bounded).
-        self._removal_seq = 0
-        self._removing: dict[bytes, int] = {}
-        self._removed_seq: dict[bytes, int] = {}
-        self._movers = 0
         self.host_stats = HostTierStats()
         # per-block host hit counts feed second-hit admission and device promotion only
         self._count_hits = tiers.disk_admission == "second-hit" or tiers.device_capacity_bytes > 0
@@ -197,6 +168,7 @@ class TieredStore:
             n += 1
         return by_tier
 
+    @checked_after
     def drop_corrupt(self, keys: Sequence[bytes]) -> list[bytes]:
         """Re-verify the named host blocks (what readers read) and drop each one whose bytes
         no longer match its committed checksum from every tier, with one REMOVED, so the next
@@ -209,6 +181,7 @@ class TieredStore:
             self.remove(bad)
         return bad
 
+    @checked_after
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys, promoting host misses held by another tier first."""
         self._lease_note.refusal = ""
@@ -234,9 +207,11 @@ class TieredStore:
         tier into host (host full of leased or pinned blocks, or a quota), "" if it could."""
         return str(getattr(self._lease_note, "refusal", ""))
 
+    @checked_after
     def release(self, lease_id: int) -> None:
         self.host.release(lease_id)
 
+    @checked_after
     def release_many(self, lease_ids: Sequence[int]) -> int:
         return self.host.release_many(lease_ids)
 
@@ -252,6 +227,7 @@ class TieredStore:
         return self.host.tenant_bytes(tenant)
 
     # -- writes --------------------------------------------------------------------------
+    @checked_after
     def put_start(self, namespace: bytes, keys: Sequence[bytes], block_bytes: int) -> PutGrant:
         """Reserve host slots for keys no tier holds; keys only a lower tier holds are
         reported ``already_present`` (a lease will promote them)."""
@@ -282,9 +258,11 @@ class TieredStore:
         self._drain_device_demotions()
         return grant
 
+    @checked_after
     def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
         return self.host.put_commit(put_id, checksums)
 
+    @checked_after
     def put_abort(self, put_id: int) -> None:
         self.host.put_abort(put_id)
 
@@ -299,54 +277,30 @@ class TieredStore:
         the grant's ``slots``, whose order this class keeps when it remaps request indices)."""
         return self.host.write_slot(put_id, slot, data)
 
+    @checked_after
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove blocks from every tier, including device evictions still on their way to
-        host; a promotion or demotion in flight sees the removal fence and does not commit."""
+        host. Two transitions of the block records (``prepare_remove`` fences every move
+        in flight, ``complete_remove`` ends the fence and reports REMOVED once for what only
+        a lower tier held); the host reports its own blocks' REMOVED."""
         unique = list(dict.fromkeys(keys))
-        with self._lock:
-            for key in unique:
-                self._removing[key] = self._removing.get(key, 0) + 1
+        self.records.prepare_remove(unique)
+        in_host: set[bytes] = set()
+        below: set[bytes] = set()
         try:
             in_host = {key for key in unique if self.host.entry(key) is not None}
             self.host.remove(keys)
-            below: set[bytes] = set()
             if self.device is not None:
                 below.update(key for key in unique if self.device.remove(key))
             if self.disk is not None:
                 below.update(self.disk.remove(unique))
-            wanted = set(unique)
-            with self._lock:
-                for key in unique:
-                    self._host_hits.pop(key, None)
-                # evicted from HBM, not yet back in host: only the demotion queue holds them
-                if self._device_demoted:
-                    kept = [item for item in self._device_demoted if item[0] not in wanted]
-                    below.update(item[0] for item in self._device_demoted if item[0] in wanted)
-                    self._device_demoted = kept
-                below.update(key for key in unique if key in self._draining)  # the fence stops them
-            below_only = [key for key in unique if key in below and key not in in_host]
-            if below_only:
-                self._emit(EventKind.REMOVED, below_only, b"")
-                # this REMOVED is sent outside the tiers' locks: a client put that committed
-                # the key again after the removal may have announced it first, so say again
-                # where it lives now (a put after this check sends its own STORED later)
-                for key in below_only:
-                    entry = self.entry(key)
-                    if entry is not None:
-                        self._emit(EventKind.STORED, [key], entry.namespace, self.tier_of(key) or "host")
-            return len(in_host) + len(below_only)
         finally:
-            with self._lock:
-                self._removal_seq += 1
-                for key in unique:
-                    left = self._removing[key] - 1
-                    if left:
-                        self._removing[key] = left
-                    else:
-                        del self._removing[key]
-                    if self._movers:
-                        self._removed_seq[key] = self._removal_seq
+            gone = self.records.complete_remove(
+                unique, below, in_host, lambda removed: self._emit(EventKind.REMOVED, removed, b"")
+            )
+        return len(in_host) + gone
 
+    @checked_after
     def pin(self, keys: Sequence[bytes], ttl_ms: int | None) -> int:
         """Pins hold host blocks (pinned blocks are the ones worth keeping in DRAM): a block
         that only a lower tier holds is promoted first, so pinning a demoted system prompt
@@ -361,10 +315,12 @@ class TieredStore:
                     i += 1
         return self.host.pin(keys, ttl_ms)
 
+    @checked_after
     def unpin(self, keys: Sequence[bytes]) -> int:
         return self.host.unpin(keys)
 
     # -- upkeep --------------------------------------------------------------------------
+    @checked_after
     def sweep(self) -> tuple[int, int]:
         return self.host.sweep()
 
@@ -430,42 +386,21 @@ class TieredStore:
 
     def summary(self) -> dict[str, Any]:
         """The host store's keys (hits/misses now count every tier) plus ``tiers``."""
-        out: dict[str, Any] = dict(self.host.summary())
+        host = self.host.summary()
         with self._lock:
-            h = self.host_stats
-            host = {
-                "capacity_bytes": out["capacity_bytes"],
-                "used_bytes": out["used_bytes"],
-                "blocks": out["blocks"],
-                "hits": h.hits,
-                "misses": h.misses,
-                "bytes_in": h.bytes_in + out["put_bytes"],
-                "bytes_out": h.bytes_out,
-                "promotions": h.promotions,
-                "lower_hits": h.lower_hits,
-                "promotion_failures": h.promotion_failures,
-                "demotions": h.demotions,
-                "demotion_drops": h.demotion_drops,
-                "admission_skips": h.admission_skips,
-                "evictions": out["evictions"],
-                "checksum_failures": out["checksum_failures"] + h.checksum_failures,
-            }
-        tiers: dict[str, Any] = {"host": host}
-        if self.disk is not None:
-            tiers["disk"] = {"enabled": True, **self.disk.summary()}
-        else:
-            tiers["disk"] = {"enabled": False, "fault": self.disk_fault}
-        if self.device is not None:
-            tiers["device"] = {"enabled": True, **self.device.summary()}
-        else:
-            tiers["device"] = {"enabled": False, "fault": self.device_fault}
-        out["tiers"] = tiers
-        # every tier's failed checks: host (at commit, on eviction, reported by readers),
-        # disk and device (on their reads); each such block was dropped
-        out["checksum_failures"] = sum(int(t.get("checksum_failures", 0)) for t in tiers.values())
-        out["hits"] = host["hits"] + host["lower_hits"]  # blocks served through leases, any tier
-        out["misses"] = host["misses"] - host["lower_hits"]  # asked for and not served by any tier
-        return out
+            stats = dataclasses.replace(self.host_stats)
+        disk = {"enabled": True, **self.disk.summary()} if self.disk is not None else None
+        device = {"enabled": True, **self.device.summary()} if self.device is not None else None
+        return tiered_summary(
+            host,
+            stats,
+            disk or {"enabled": False, "fault": self.disk_fault},
+            device
+            or {
+                "enabled": False,
+                "fault": self.device_fault,
+            },
+        )
 
     # -- promotion -------------------------------------------------------------------------
     def _lower_has(self, key: bytes) -> bool:
@@ -473,36 +408,9 @@ class TieredStore:
             self.disk is not None and self.disk.contains(key)
         )
 
-    def _start_move(self) -> int:
-        """Register a promotion/demotion in flight; returns the removal fence to check against."""
-        with self._lock:
-            self._movers += 1
-            return self._removal_seq
-
-    def _end_move(self) -> None:
-        with self._lock:
-            self._movers -= 1
-            if not self._movers:
-                self._removed_seq.clear()  # movers starting later read after those removals
-
-    def _removed_since(self, keys: Sequence[bytes], since: int) -> list[bytes]:
-        """The keys a remove() is working on, or finished after fence ``since``."""
-        with self._lock:
-            return [k for k in keys if k in self._removing or self._removed_seq.get(k, -1) > since]
-
     def _promote(self, keys: list[bytes]) -> tuple[int, set[bytes]]:
         """Bring the leading run of ``keys`` held by the device or disk tier into host.
         Returns (how many leading keys are now in host, the keys this call committed)."""
-        since = self._start_move()
-        try:
-            return self._promote_fenced(keys, since)
-        finally:
-            self._end_move()
-
-    def _promote_fenced(self, keys: list[bytes], since: int) -> tuple[int, set[bytes]]:
-        """``_promote`` after the fence is taken. The bytes may still serve a lease already
-        in flight, but a block removed meanwhile is not committed (no STORED), and one
-        removed between the check and the commit is removed again right after it."""
         run: list[bytes] = []
         for key in keys:
             if not self._lower_has(key):
@@ -510,6 +418,16 @@ class TieredStore:
             run.append(key)
         if not run:
             return 0, set()
+        fence = self.records.prepare_moves(run, "promote")
+        try:
+            return self._promote_fenced(run, fence)
+        finally:
+            self.records.complete_moves(fence, "promote")
+
+    def _promote_fenced(self, run: list[bytes], fence: Fence) -> tuple[int, set[bytes]]:
+        """``_promote`` of a run its fence covers. The bytes may still serve a lease already
+        in flight, but a block removed meanwhile is not committed (no STORED), and one
+        removed between the check and the commit is removed again right after it."""
         blocks: list[DiskBlock | None] = [None] * len(run)
         from_disk: list[int] = []
         device_failed: list[bytes] = []  # in HBM, failed its check there (device.get dropped it)
@@ -540,7 +458,7 @@ class TieredStore:
             if good and (block.namespace != good[0].namespace or block.data.size != good[0].data.size):
                 break
             good.append(block)
-        fenced = set(self._removed_since([b.key for b in good], since))
+        fenced = set(self.records.fenced(fence, [b.key for b in good]))
         if fenced:  # removed after this promotion started: the read must not bring it back
             good = good[: next(i for i, b in enumerate(good) if b.key in fenced)]
         if not good:
@@ -561,14 +479,14 @@ class TieredStore:
         written = {good[index].key for index, _ in grant.slots}
         committed = 0
         if grant.put_id:
-            if self._removed_since(list(written), since):
+            if self.records.fenced(fence, written):
                 self.host.put_abort(grant.put_id)  # a remove() landed during the copy
                 return 0, set()
             committed = self.host.put_commit(grant.put_id, checksums).committed
         with self._lock:
             self.host_stats.promotions += committed
             self.host_stats.bytes_in += committed * size
-        fenced = set(self._removed_since(list(written), since)) if committed else set()
+        fenced = set(self.records.fenced(fence, written)) if committed else set()
         if fenced:
             # a remove() raced the commit: whichever ran first, remove again so the block is
             # gone and its last event is REMOVED (the host's own REMOVED when it is found)
@@ -581,20 +499,15 @@ class TieredStore:
     def _after_lease(self, keys: Sequence[bytes], grant: LeaseGrant, promoted: set[bytes]) -> None:
         served = len(grant.locations)
         lower = sum(1 for key in keys[:served] if key in promoted) if promoted else 0
-        hot: list[bytes] = []
         with self._lock:
             h = self.host_stats
             h.hits += served - lower  # served from host directly
             h.misses += len(keys) - (served - lower)  # includes what a lower tier then served
             h.lower_hits += lower
             h.bytes_out += sum(loc.size for loc in grant.locations)
-            if not self._count_hits:
-                return
-            for key in keys[:served]:
-                count = self._host_hits.get(key, 0) + 1
-                self._host_hits[key] = count
-                if self.device is not None and count == DEVICE_PROMOTE_AFTER_HITS:
-                    hot.append(key)
+        if not self._count_hits or not served:
+            return
+        hot = self.records.count_hits(keys[:served], DEVICE_PROMOTE_AFTER_HITS)
         if self.device is not None:
             for key in hot:
                 entry = self.host.entry(key)
@@ -607,37 +520,31 @@ class TieredStore:
 
     # -- hooks -----------------------------------------------------------------------------
     def _on_host_evict(self, entry: Entry, data: np.ndarray) -> None:
-        """Called under the host lock, before the slot is freed: copy the bytes down."""
+        """Called under the host lock, before the slot is freed: copy the bytes down. The
+        other tiers are asked first, outside the records' lock (their locks come first)."""
         key = entry.key
-        with self._lock:
-            hits = self._host_hits.pop(key, 0)
-        if self.device is not None and self.device.contains(key):
-            with self._lock:
-                self._moved_to[key] = "device"  # still on the node, in HBM (read before disk)
-        if self.disk is None:
+        in_device = self.device is not None and self.device.contains(key)
+        on_disk = self.disk is not None and self.disk.contains(key)
+        action = self.records.host_evicted(
+            key, in_device, on_disk, self.disk is not None, self.tier_config.disk_admission == "second-hit"
+        )
+        if action == "keep":
             return
-        if self.disk.contains(key):
+        if action == "skip":
             with self._lock:
-                self._moved_to.setdefault(key, "disk")
-            return
-        with self._lock:
-            if self.tier_config.disk_admission == "second-hit" and hits == 0 and key not in self._ghost:
-                self._ghost[key] = None
-                while len(self._ghost) > self.GHOST_KEYS:
-                    self._ghost.popitem(last=False)
                 self.host_stats.admission_skips += 1
-                return
-            self._ghost.pop(key, None)
+            return
+        assert self.disk is not None
         if checksum64(data) != entry.checksum:
+            self.records.evicted_bad(key)
             with self._lock:
                 self.host_stats.checksum_failures += 1
-                self._failed_on_evict.add(key)
             log.error("host block %s failed its checksum on eviction; not demoted", key.hex())
             return
         if self.disk.enqueue(key, entry.namespace, data, entry.checksum):
+            self.records.demoted(key)
             with self._lock:
                 self.host_stats.demotions += 1
-                self._moved_to.setdefault(key, "disk")
         else:
             with self._lock:
                 self.host_stats.demotion_drops += 1
@@ -645,31 +552,12 @@ class TieredStore:
     def _on_host_event(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host") -> None:
         """The host's events, with its REMOVED of a block that stays on the node turned into
         STORED naming the tier it now lives in (the eviction hook ran just before)."""
-        moved: dict[str, list[bytes]] = {}
-        failed: list[bytes] = []
-        with self._lock:
-            bad: set[bytes] = set()
-            if kind is EventKind.REMOVED and self._failed_on_evict:
-                bad = self._failed_on_evict.intersection(keys)
-                self._failed_on_evict.difference_update(bad)  # bounded: each key's REMOVED follows its hook
-            if kind is EventKind.REMOVED and self._moved_to:
-                kept = []
-                for key in keys:
-                    to = self._moved_to.pop(key, None)
-                    if to is None:
-                        kept.append(key)
-                    else:
-                        moved.setdefault(to, []).append(key)
-                keys = kept
-            if bad:
-                failed = [k for k in keys if k in bad]
-                keys = [k for k in keys if k not in bad]
-        if failed:
-            self._emit(kind, failed, namespace, tier, "checksum_failure")
-        if keys:
-            self._emit(kind, keys, namespace, tier)
-        for to, moved_keys in moved.items():
-            self._emit(EventKind.STORED, moved_keys, namespace, to)
+        self.records.host_event(
+            kind is EventKind.REMOVED,
+            keys,
+            lambda ks, t, cause: self._emit(kind, ks, namespace, t, cause),
+            lambda ks, t: self._emit(EventKind.STORED, ks, namespace, t),
+        )
 
     def _on_lower_tier_dropped(self, keys: list[bytes], cause: str = "") -> None:
         """The disk tier evicted (``cause`` "") or dropped blocks: gone from the node unless
@@ -684,48 +572,32 @@ class TieredStore:
 
     def _on_device_evict(self, key: bytes, namespace: bytes, checksum: int, data: np.ndarray) -> None:
         """Called under the device lock: queue the block for host if no other tier has it."""
-        with self._lock:
-            self._device_demoted.append((key, namespace, checksum, data))
+        self.records.queue_demotion(key, DeviceDemotion(namespace, checksum, data))
 
     def _drain_device_demotions(self) -> None:
         if self.device is None:
             return
-        with self._lock:
-            if not self._device_demoted:
-                return
-            pending, self._device_demoted = self._device_demoted, []
-            for key, *_ in pending:
-                self._draining[key] = self._draining.get(key, 0) + 1
-            # fence in the same critical section: a remove() that sees these keys in
-            # ``_draining`` is then seen by ``_removed_since`` whenever it finishes
-            self._movers += 1
-            since = self._removal_seq
+        pending, fence = self.records.take_demotions()
+        if not pending:
+            return
         try:
-            for key, namespace, checksum, data in pending:
-                try:
-                    self._demote_to_host(key, namespace, checksum, data, since)
-                finally:
-                    with self._lock:
-                        left = self._draining[key] - 1
-                        if left:
-                            self._draining[key] = left
-                        else:
-                            del self._draining[key]
+            for key, demotion in pending:
+                self._demote_to_host(key, demotion, fence)
         finally:
-            self._end_move()
+            self.records.complete_moves(fence, "demote")
 
-    def _demote_to_host(self, key: bytes, namespace: bytes, checksum: int, data: np.ndarray, since: int) -> None:
+    def _demote_to_host(self, key: bytes, demotion: DeviceDemotion, fence: Fence) -> None:
         """Put one block evicted from HBM back into host, unless a faster copy exists or a
         remove() fenced it (that remove counted it and sent REMOVED)."""
         assert self.device is not None
+        namespace, checksum, data = demotion.namespace, demotion.checksum, demotion.data
         if self.host.entry(key) is not None or self.device.contains(key):
             return  # the last event already named a faster tier
-        if self._removed_since([key], since):
+        if self.records.fenced(fence, [key]):
             return
         if self.disk is not None and self.disk.contains(key):
-            self._emit(EventKind.STORED, [key], namespace, "disk")  # only the disk copy is left
-            if self._removed_since([key], since) and not self.tier_of(key):
-                self._emit(EventKind.REMOVED, [key], namespace)  # a remove() overtook the STORED
+            # only the disk copy is left; a remove() that started first reports REMOVED instead
+            self.records.emit_unless_fenced(fence, key, lambda: self._emit(EventKind.STORED, [key], namespace, "disk"))
             return
         if checksum64(data) != checksum:
             self._emit(EventKind.REMOVED, [key], namespace, "device", "checksum_failure")
@@ -739,12 +611,25 @@ class TieredStore:
             self._buffer[offset : offset + data.size] = data
         if not grant.put_id:
             return
-        if self._removed_since([key], since):
+        if self.records.fenced(fence, [key]):
             self.host.put_abort(grant.put_id)
             return
         self.host.put_commit(grant.put_id, [checksum])  # the host's STORED (tier "host") reports it
-        if self._removed_since([key], since):
+        if self.records.fenced(fence, [key]):
             self.remove([key])  # the remove raced the commit: it must stick, REMOVED last
+
+    def check_invariants(self) -> None:
+        """Each part's own rules (debug mode): the block records, the host store, the
+        device and disk tiers, and the counters here."""
+        self.records.check_invariants()
+        self.host.check_invariants()
+        if self.device is not None:
+            self.device.check_invariants()
+        if self.disk is not None:
+            self.disk.check_invariants()
+        with self._lock:
+            h = self.host_stats
+            require("TieredStore", "lower hits were promoted", h.lower_hits <= h.promotions, f"{h}")
 
     def _emit(self, kind: EventKind, keys: list[bytes], namespace: bytes, tier: str = "host", cause: str = "") -> None:
         if self._on_event is not None:

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpool.daemon.cluster_local import LocalCluster, free_port
+from kvpool.core import invariants
+
+# Debug invariants on for every store and directory a test builds in this process: each
+# checks its own rules after each operation (kvpool/core/invariants.py). Set before anything
+# imports the stores: the checks are attached when their classes are. Daemons a test starts
+# run without them (a full walk per operation over a daemon's thousands of blocks is
+# quadratic over a bulk test); KVPOOL_DEBUG_INVARIANTS=1 in a test's env turns them on there.
+invariants.set_enabled(True)
+
+from kvpool.daemon.cluster_local import LocalCluster, free_port  # noqa: E402  (after the switch, on purpose)
 
 __all__ = ["free_port"]  # tests import it from here
 

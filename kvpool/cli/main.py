@@ -12,6 +12,8 @@ import importlib
 import os
 import sys
 
+from kvpool.core import invariants
+
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvpool.cli.serve", "run a pool daemon (node + directory on one machine by default)"),
@@ -62,6 +64,7 @@ def quiet_grpc_core(environ: dict[str, str] | os._Environ[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_grpc_core(os.environ)
+    invariants.enable_from_environ(os.environ)  # debug mode: stores check their invariants
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

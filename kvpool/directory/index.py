@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvpool.core.invariants import require
+
 TIER_CODES = {"device": 2, "host": 0, "disk": 1}
 TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
 #: lower is better for reading: host DRAM first, then device, then disk
@@ -86,6 +88,9 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
+    def node_at(self, slot: int) -> NodeRecord | None:
+        return self._by_slot.get(slot)
+
     def holds(self, key: bytes) -> bool:
         return key in self._holders
 
@@ -136,6 +141,31 @@ class BlockIndex:
                 if forget:
                     self.discard(node, key)
         return out
+
+    def check_invariants(self) -> None:
+        """The holder map is exactly the attached nodes' key lists (debug mode; called by
+        ``DirectoryState`` under its lock): no key without a holder, no holder that is not
+        an attached node holding the key in that tier."""
+        name = "BlockIndex"
+        held = 0
+        for slot, node in self._by_slot.items():
+            require(name, "a node is attached under its slot", node.slot == slot, node.node_id)
+            for key, tier in node.keys.items():
+                holders = self._holders.get(key)
+                require(
+                    name,
+                    "every key of an attached node is in the holder map",
+                    holders is not None and holders.get(slot) == tier,
+                    key.hex,
+                )
+            held += len(node.keys)
+        pairs = 0
+        for key, holders in self._holders.items():
+            require(name, "a held key has a holder", bool(holders), key.hex)
+            for slot in holders:
+                require(name, "a holder is an attached node", slot in self._by_slot, key.hex)
+            pairs += len(holders)
+        require(name, "holders are the nodes' keys", pairs == held, f"{pairs} holder entries, {held} node keys")
 
     # -- lookups ------------------------------------------------------------------------------
     def leading_run(self, keys: Sequence[bytes]) -> LeadingRun:

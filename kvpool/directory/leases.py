@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvpool.core.invariants import require
 from kvpool.core.keys import NAMESPACE_BYTES
 
 MAX_LEASES = 65_536
@@ -105,6 +106,16 @@ class LeaseTable:
             else:
                 self._leased_count[key] = left
         return True
+
+    def check_invariants(self) -> None:
+        """Bounded, and the per-key lease counts are exactly the leases' keys (debug mode)."""
+        name = "LeaseTable"
+        require(name, "leases are bounded", len(self._leases) <= self.max_leases)
+        counts: dict[bytes, int] = {}
+        for lease in self._leases.values():
+            for key in lease.keys:
+                counts[key] = counts.get(key, 0) + 1
+        require(name, "lease counts match the leases", counts == self._leased_count)
 
     # -- removes deferred by leases ------------------------------------------------------------
     def defer(self, key: bytes, namespace: bytes) -> None:

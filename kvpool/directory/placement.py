@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.core.errors import InvalidArgument, NotFound
+from kvpool.core.invariants import DEBUG, require
 from kvpool.directory.index import NodeRecord
 
 
@@ -38,4 +39,19 @@ def choose_nodes(
         if len(chosen) >= replicas:
             break
         chosen.append(node)
-    return chosen[:replicas]
+    chosen = chosen[:replicas]
+    if DEBUG.on:
+        check_placement(chosen, live, local, replicas)
+    return chosen
+
+
+def check_placement(
+    chosen: Sequence[NodeRecord], live: Sequence[NodeRecord], local: NodeRecord | None, replicas: int
+) -> None:
+    """A placement names at most ``replicas`` distinct live nodes (debug mode)."""
+    name = "placement"
+    require(name, "at most the replicas asked for", 0 < len(chosen) <= replicas, f"{len(chosen)} of {replicas}")
+    ids = [n.node_id for n in chosen]
+    require(name, "distinct nodes", len(set(ids)) == len(ids), str(ids))
+    for node in chosen:
+        require(name, "only live nodes", node.alive and (node in live or node is local), node.node_id)

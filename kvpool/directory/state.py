@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from kvpool.core.clock import Clock
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, SpecMismatch, VersionMismatch
 from kvpool.core.hashing import HASH_SCHEME
+from kvpool.core.invariants import checked_after, require
 from kvpool.core.spec import KVSpec
 from kvpool.directory.db import DirectoryDB
 from kvpool.directory.index import (
@@ -212,6 +213,7 @@ class DirectoryState:
                 )
         self._namespaces[namespace] = spec_digest
 
+    @checked_after
     def register(
         self,
         node: NodeRecord,
@@ -257,6 +259,7 @@ class DirectoryState:
             )
             return self.epoch
 
+    @checked_after
     def heartbeat(
         self,
         node_id: str,
@@ -305,6 +308,7 @@ class DirectoryState:
         else:
             raise InvalidArgument(f"unknown event kind {event.kind!r}")
 
+    @checked_after
     def mark_dead(self, node_id: str, why: str) -> bool:
         """Stop offering a node's blocks (lease expired in etcd, or heartbeats stopped)."""
         with self._lock:
@@ -318,6 +322,7 @@ class DirectoryState:
             log.warning("directory: node %s is gone (%s): its blocks are no longer offered", node_id, why)
             return True
 
+    @checked_after
     def expire(self) -> list[str]:
         """Drop nodes whose last heartbeat is older than node_ttl_ms; sweep leases."""
         now = self._clock.now_ms()
@@ -329,6 +334,7 @@ class DirectoryState:
             return late
 
     # -- reads ---------------------------------------------------------------------------
+    @checked_after
     def lookup(
         self, keys: Sequence[bytes], client_node: str = "", lease_ms: int = 0, for_read: bool = False
     ) -> LookupResult:
@@ -350,16 +356,19 @@ class DirectoryState:
                 lease_id = self._leases.grant(keys[:hits], lease_ms, self._clock.now_ms())
             return LookupResult(hits, run.nodes, run.masks, run.tiers, lease_id)
 
+    @checked_after
     def release(self, lease_ids: Iterable[int], may_release: Callable[[bytes], bool] | None = None) -> int:
         """Release directory leases (``LeaseTable.release``: only in namespaces ``may_release`` accepts)."""
         with self._lock:
             return self._leases.release(lease_ids, may_release)
 
+    @checked_after
     def take_due_removes(self) -> dict[bytes, dict[str, list[bytes]]]:
         """Deferred removes whose leases are gone: namespace -> node -> keys to forward."""
         with self._lock:
             return {ns: self._index.holders_by_node(keys, forget=True) for ns, keys in self._leases.take_due().items()}
 
+    @checked_after
     def remove(self, keys: Sequence[bytes], namespace: bytes = b"") -> tuple[dict[str, list[bytes]], int]:
         """Blocks to remove now (grouped by holder node) and how many wait for a lease."""
         with self._lock:
@@ -380,6 +389,22 @@ class DirectoryState:
             live = [n for n in self._nodes.values() if n.alive]
             local = self._nodes.get(client_node)
             return choose_nodes(live, local, blocks, block_bytes, replicas, self.min_free_ratio)
+
+    def check_invariants(self) -> None:
+        """The index's and the leases' own rules, and: every registered node is alive and
+        attached to the index, and no more namespaces than the bound (debug mode)."""
+        with self._lock:
+            self._index.check_invariants()
+            self._leases.check_invariants()
+            for node_id, node in self._nodes.items():
+                require("DirectoryState", "a registered node is alive", node.alive and node.node_id == node_id, node_id)
+                require(
+                    "DirectoryState",
+                    "a registered node is in the index",
+                    self._index.node_at(node.slot) is node,
+                    node_id,
+                )
+            require("DirectoryState", "namespaces are bounded", len(self._namespaces) <= MAX_NAMESPACES)
 
     # -- introspection -------------------------------------------------------------------
     def node(self, node_id: str) -> NodeRecord | None:

@@ -81,7 +81,7 @@ def test_remove_sticks_for_a_block_whose_device_demotion_is_pending(device_store
     original = s.store._drain_device_demotions
 
     def remove_then_drain() -> None:
-        pending = [k for k, *_ in s.store._device_demoted]
+        pending = s.store.records.queued_keys()
         if key(victim) in pending and not removed:
             removed.append(s.store.remove([key(victim)]))
         original()
@@ -234,7 +234,7 @@ def test_remove_while_the_drain_moves_the_block_into_host(device_store: Store, h
     assert s.store.lookup([key(victim)]) == 0 and s.store.tier_of(key(victim)) == ""
     last = [kind for kind, k, _ in s.events if k == key(victim)][-1]
     assert last is EventKind.REMOVED
-    assert not s.store._draining and not s.store._removing and not s.store._removed_seq
+    assert not s.store.records.busy_keys() and s.store.records.get(key(victim)) is None
 
 
 def test_remove_between_the_check_and_the_commit_of_a_promotion(disk_store: Store) -> None:
@@ -259,4 +259,4 @@ def test_remove_between_the_check_and_the_commit_of_a_promotion(disk_store: Stor
     assert s.store.lookup([key(victim)]) == 0 and s.store.tier_of(key(victim)) == ""
     kinds = [(kind, tier) for kind, k, tier in s.events if k == key(victim)]
     assert kinds[-2:] == [(EventKind.STORED, "host"), (EventKind.REMOVED, "host")], kinds
-    assert not s.store._removing and not s.store._removed_seq
+    assert not s.store.records.busy_keys() and s.store.records.get(key(victim)) is None

@@ -137,7 +137,7 @@ def test_device_evicts_down_to_low_when_a_copy_crosses_high() -> None:
         assert device.used_bytes == 256 << 10 and len(device) == 32
         assert device.contains(key(0)) and device.contains(key(64))
         assert not any(device.contains(key(i)) for i in range(1, 34))
-        assert [k for k, *_ in store._device_demoted] == [key(i) for i in range(1, 34)]  # in LRU order
+        assert store.records.queued_keys() == [key(i) for i in range(1, 34)]  # in LRU order
         store._drain_device_demotions()  # no other tier held them: demoted into host, bytes intact
         for i in range(1, 34):
             entry = store.host.entry(key(i))
