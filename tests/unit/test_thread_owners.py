@@ -12,6 +12,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -38,6 +39,19 @@ from kvpool.scheduler.router_server import RouterServer
 
 SPEC = KVSpec(model="threads", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=16)
 WAIT_S = 20.0
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left() -> Iterator[None]:
+    """Every thread a test starts (by whatever name) is gone when it ends: compared by object
+    against the threads alive before it, so other tests' threads do not count."""
+    before = set(threading.enumerate())
+    yield
+    new = [t for t in threading.enumerate() if t not in before]
+    for t in new:
+        t.join(5)  # one that is ending anyway (an anyio worker handing back its last result)
+    left = [t.name for t in new if t.is_alive()]
+    assert left == [], f"threads still alive after their owners stopped: {left}"
 
 
 def alive(*names: str) -> set[str]:
@@ -96,11 +110,11 @@ def test_the_metrics_server_runs_on_the_supervisors_thread_only() -> None:
     supervisor = Supervisor()
     server = MetricsServer("127.0.0.1:0", CollectorRegistry())
     supervisor.spawn("metrics-http", server.serve)
-    before = threading.active_count()
+    before = set(threading.enumerate())
     for _ in range(3):
         with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=WAIT_S) as reply:
             assert reply.status == 200
-    assert threading.active_count() == before  # no thread per scrape
+    assert [t.name for t in threading.enumerate() if t not in before] == []  # no thread per scrape
     server.stop()
     supervisor.stop()
     assert alive("kvpool-metrics-http") == set()
@@ -129,8 +143,7 @@ def test_the_router_http_and_front_door_threads_are_joined_by_stop() -> None:
     with urllib.request.urlopen(f"http://{front.address}/health", timeout=WAIT_S) as reply:
         assert reply.status == 200
     front.stop()
-    names = ("kvpool-router-http", "kvpool-openai-http", "kvpool-openai-health", "AnyIO worker thread")
-    assert alive(*names) == set()
+    assert alive("kvpool-router-http", "kvpool-openai-http", "kvpool-openai-health") == set()
 
 
 class SlowEngine:
