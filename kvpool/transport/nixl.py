@@ -61,7 +61,6 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.auth import Credentials
-from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument, Unauthenticated, Unavailable
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
@@ -76,7 +75,8 @@ from kvpool.transport.nixl_agent import (
     ucx_overrides,
     usable_backends,
 )
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, copy_verified, split_address
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, split_address
+from kvpool.transport.verify import copy_verified, verify_in_place
 
 __all__ = [
     "NixlDataServer",
@@ -355,7 +355,7 @@ class NixlTransport(TcpTransport):
             if regs is not None:
                 conn.agent.deregister(regs)  # the READ has ended: nothing writes into the rows any more
                 self.counters["direct_reads"] += 1
-                bad = _verify_in_place(rows, metas, progress)
+                bad = verify_in_place(rows, metas, progress)
             else:
                 self.counters["staged_reads"] += 1
                 bad = copy_verified(staging, [int(x) for x in starts], metas, dst, progress)
@@ -428,16 +428,6 @@ class NixlTransport(TcpTransport):
             left = len(self._retired)
         if left:
             log.warning("nixl: %d connections retired after a stalled READ stay allocated", left)
-
-
-def _verify_in_place(rows: Sequence[np.ndarray], metas: Sequence[tuple[int, int]], progress: list[int]) -> int:
-    """Checksum each landed row against its meta; ``progress[0]`` counts the leading good ones.
-    Returns the first index that failed, or -1."""
-    for i, (_, checksum) in enumerate(metas):
-        if checksum64(rows[i]) != checksum:
-            return i
-        progress[0] = i + 1
-    return -1
 
 
 class _NotNixl(Unavailable):

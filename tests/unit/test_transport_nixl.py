@@ -33,7 +33,7 @@ from kvpool.transport.tcp import TcpDataServer
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(bool(nixl_available()), reason=f"nixl unusable: {nixl_available()}")]
 
 if not nixl_available():
-    from kvpool.transport import nixl
+    from kvpool.transport import nixl, nixl_agent
     from kvpool.transport.nixl import NixlDataServer, NixlTransport
 
 
@@ -334,6 +334,18 @@ def test_ucx_overrides_keep_loopback_on_lo_and_respect_the_operator(tmp_path: Pa
     assert nixl.ucx_overrides(True, {}, no_rdma) == {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
     assert nixl.ucx_overrides(False, {}, str(rdma)) == {}  # a fabric: UCX picks devices and loads ib
     assert nixl.ucx_overrides(True, {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MODULES": "all"}, no_rdma) == {}
+
+
+def test_what_ucxx_puts_in_the_environment_is_hidden_from_nixl_agents() -> None:
+    """``import ucxx`` sets UCX_RNDV_THRESH=8192, which slows NIXL READs ~15x (nixl_agent)."""
+    assert nixl_agent.ucxx_injected({"UCX_RNDV_THRESH": "8192"}, {"ucxx": object()}) == ["UCX_RNDV_THRESH"]
+    assert nixl_agent.ucxx_injected({"UCX_RNDV_THRESH": "8192"}, {}) == []  # no ucxx: the operator's
+    assert nixl_agent.ucxx_injected({"UCX_RNDV_THRESH": "65536"}, {"ucxx": object()}) == []
+    import ucxx._lib.libucxx  # noqa: F401  (what the bench and a mixed-transport client do)
+
+    before = dict(os.environ)
+    nixl.Agent("kvpool-test-env", False, True)
+    assert dict(os.environ) == before  # restored after the agent was made
 
 
 CHILD = """
