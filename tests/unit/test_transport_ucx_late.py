@@ -75,6 +75,17 @@ def late_server(store: NodeBlockStore) -> object:
     return LateServer(store, "127.0.0.1:0")
 
 
+def timed_out_read(server: Any, transport: Any, first_block: int, seed: int) -> np.ndarray:
+    """Write two blocks to the late server, read them back past the deadline (a miss); the
+    caller's rows that read was given."""
+    keys = block_hashes(NS, np.arange(16 * first_block, 16 * (first_block + 2)))
+    data = np.random.default_rng(seed).integers(1, 255, size=(2, BB), dtype=np.uint8)
+    assert transport.write(server.address, NS_DIGEST, keys, data).stored == 2
+    out = np.zeros_like(data)
+    assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 0
+    return out
+
+
 def test_bytes_sent_after_a_timeout_never_reach_the_callers_rows(
     node: PoolNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,11 +146,7 @@ def test_a_timed_out_read_leaves_no_receive_posted(node: PoolNode, monkeypatch: 
     server.start()
     transport = ucx.UcxTransport(timeout_s=0.3, direct=False)
     try:
-        keys = block_hashes(NS, np.arange(16 * 2, 16 * 4))
-        data = np.random.default_rng(12).integers(1, 255, size=(2, BB), dtype=np.uint8)
-        assert transport.write(server.address, NS_DIGEST, keys, data).stored == 2
-        out = np.zeros_like(data)
-        assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 0
+        out = timed_out_read(server, transport, 2, 12)
         assert len(posted) == 1 and all(r.completed for r in posted[0])
         assert server.sent.wait(SEND_DELAY_S + 5.0)  # the late sends went out, to a worker that is gone
         assert not out.any()
@@ -175,11 +182,7 @@ def test_a_timed_out_direct_read_retires_its_link_and_nothing_lands_later(
     server.start()
     transport = ucx.UcxTransport(timeout_s=0.3, direct=True)
     try:
-        keys = block_hashes(NS, np.arange(16 * 8, 16 * 10))
-        data = np.random.default_rng(15).integers(1, 255, size=(2, BB), dtype=np.uint8)
-        assert transport.write(server.address, NS_DIGEST, keys, data).stored == 2
-        out = np.zeros_like(data)
-        assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 0
+        out = timed_out_read(server, transport, 8, 15)
         assert transport.counters["retired_links"] == 1 and transport._retired[0].retired
         assert server.sent.wait(SEND_DELAY_S + 5.0)  # the late sends went out
         time.sleep(0.2)
