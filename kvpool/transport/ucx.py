@@ -6,18 +6,25 @@ UCX pick shared memory - sm/cma/posix - between processes of one host, and RDMA 
 the build has verbs) and answers with its own worker address. Reads then go as
 ``OP_READ_UCX``: the request, the reply header and every (length, checksum) travel on the
 TCP connection; the block bytes travel as one UCX tag message per item, all posted at once
-(pipelined), received into a staging buffer the connection owns, checksummed there and
-only then copied into the caller's rows (one memcpy per block: a receive UCX has matched
-cannot be cancelled, so after a timeout late bytes could otherwise land in rows already
-reported as a miss). The server holds its store read lease until every send has completed.
+(pipelined). The server holds its store read lease until every send has completed.
+
+Where the bytes land. A receive UCX has matched cannot be cancelled, so after a timeout
+bytes may still arrive; they must never reach rows already reported as a miss.
+- *direct* (a host without RDMA devices, the default): the receives are posted on the
+  caller's rows and each row is checksummed in place once all completed (``verify_in_place``).
+  Rendezvous is by *get* (``CONTEXT_CONFIG``), so every byte lands inside a progress call of
+  the reader's own worker; a read past its deadline *retires* its link: never progressed,
+  waited on or closed again, so nothing more lands.
+- *staged* (RDMA devices present, where a NIC writes on its own, or ``direct=False``): the
+  receives land in a staging buffer the connection owns, checksummed there and only then
+  copied into the rows; a timeout cancels the receives and drops the connection, its worker
+  and its staging buffer: a late byte can only land in that buffer.
 
 Each connection owns its own UCX worker, driven by the one thread that uses the
 connection at a time: the reader polls (the fastest way to complete a transfer), the
 server waits in the worker's epoll (blocking progress mode), so two spinning threads do
 not fight over the cores; on this 2-core machine that took 4 MiB reads from ~1 to ~3.5
-GB/s. Writes stay on the TCP path. A timeout cancels the outstanding
-receives and drops the connection, its worker and its staging buffer: a late byte can only
-land in that buffer, never in one the caller has been told is a miss.
+GB/s. Writes stay on the TCP path.
 """
 
 from __future__ import annotations
