@@ -102,7 +102,7 @@ class _Link:
     def staging(self, nbytes: int) -> np.ndarray:
         """The link's private receive buffer, at least ``nbytes`` long.
 
-        Reads land here, never straight in the caller's rows: a receive UCX has already
+        Staged reads land here, not in the caller's rows: a receive UCX has already
         matched cannot be cancelled (``ucp_request_cancel`` has no effect on it), and
         ``cancel_inflight_requests`` only schedules the cancels, so after a timeout bytes
         may still arrive. They then land in memory this link owns and that nobody reads
