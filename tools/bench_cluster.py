@@ -320,7 +320,13 @@ def bench_lookup(cluster: LocalCluster, directory: str, node_addrs: list[str], s
 # -- driver ------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="kvpool-bench-cluster-")
-    report: dict[str, Any] = {"blocks_per_batch": args.blocks, "iters": args.iters, "results": {}}
+    report: dict[str, Any] = {
+        "blocks_per_batch": args.blocks,
+        "iters": args.iters,
+        "results": {},
+        "load_average_start": os.getloadavg(),  # the machine may be shared: say how loaded it was
+    }
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     transports = ["tcp"] + (["ucx"] if not ucx_available() and not args.no_ucx else [])
     with_nixl = not nixl_available() and not args.no_nixl
     cases = [(mib << 10, args.blocks) for mib in args.block_mib]
@@ -364,6 +370,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 label = f"{blocks} x {block_kib} KiB blocks"
                 report["results"][label] = row
                 print_row(label, row)
+            report["load_average_end"] = os.getloadavg()
+            print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             report["lookup"] = bench_lookup(cluster, directory, [a.address, b.address, c.address], args.lookups)
             print(json.dumps(report["lookup"]))
     finally:
@@ -375,10 +383,16 @@ def print_row(label: str, row: dict[str, float]) -> None:
     print(f"\n{label}, GB/s (median)")
     for name, value in row.items():
         print(f"  {name:32s} {value:7.2f}")
-    for mine in [k for k in row if k.startswith("kvpool") and k.endswith("cluster get")]:
+    for mine in [k for k in row if k.startswith("kvpool")]:
         for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
             if base in row:
                 print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
+    for level in ("cluster get", "transport"):  # the issue-17 target: nixl vs the fastest other kvpool
+        nixl = row.get(f"kvpool nixl {level}")
+        others = {k: v for k, v in row.items() if k.startswith("kvpool") and k.endswith(level) and "nixl" not in k}
+        if nixl is not None and others:
+            best = max(others, key=lambda k: others[k])
+            print(f"  ratio kvpool nixl {level} / {best:24s} {nixl / others[best]:6.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ Each check gives ok / warn / fail / skip, what it found and, unless ok, what to 
   disk tier     when configured: the directory is writable and has room for its capacity
   etcd          when configured: each endpoint answers GET /health
   ucx           ucxx imports, and the UCX components it would use (tcp, shared memory, RDMA)
+  nixl          nixl-cu12 imports, which of its backends (UCX, POSIX, GDS, ...) can start here,
+                and whether NIXL reads land straight in the caller's rows or are staged (RDMA)
 The exit code is 1 when any check fails, else 0.
 """
 
@@ -204,6 +206,33 @@ def _ucx(config: DaemonConfig) -> Check:
     return Check("ucx", "ok", detail)
 
 
+def _nixl(config: DaemonConfig) -> Check:
+    """Which NIXL backends this host can start: shipping a plugin is not being usable (GDS needs
+    cuFile and a GPU, OBJ an object store); ``--transport nixl`` needs UCX."""
+    from kvpool.transport import nixl_agent
+
+    wanted = config.cluster.transport == "nixl"
+    why = nixl_agent.nixl_available()
+    if why:
+        return Check(
+            "nixl",
+            "fail" if wanted else "skip",
+            f"nixl-cu12 does not import ({why}): --transport nixl is unavailable",
+            "pip install --no-deps nixl-cu12==1.5.1",
+        )
+    try:
+        backends = nixl_agent.usable_backends()
+    except Exception as exc:  # a broken NIXL install must not crash the doctor
+        return Check("nixl", "fail", f"NIXL does not start: {exc}", "check the nixl-cu12 install")
+    usable = [name for name, reason in backends.items() if not reason]
+    unusable = [f"{name} ({reason.splitlines()[0][:60]})" for name, reason in backends.items() if reason]
+    reads = "reads staged (RDMA devices present)" if nixl_agent.has_rdma() else "reads land in the caller's rows"
+    detail = f"usable backends: {', '.join(usable) or 'none'}; not usable: {', '.join(unusable) or 'none'}; {reads}"
+    if "UCX" not in usable:
+        return Check("nixl", "fail" if wanted else "warn", detail, "--transport nixl needs the UCX backend")
+    return Check("nixl", "ok", detail)
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     config_check, config = _config(args)
     daemon_check, stats = _daemon(args)
@@ -219,6 +248,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     etcd = args.etcd if args.etcd is not None else config.cluster.etcd
     checks.append(_etcd([e.strip() for e in etcd.split(",") if e.strip()]))
     checks.append(_ucx(config))
+    checks.append(_nixl(config))
     return checks
 
 

@@ -13,16 +13,29 @@ namespace check, same whole-block verification of byte ranges) and answers each 
 (or the connection drops, or ``done_timeout_s`` passes), so a slot cannot be evicted and reused
 while it is being pulled.
 
-Reader side (``NixlTransport``, a ``TcpTransport``): each connection, after AUTH, asks the
+Reader side (``NixlTransport``, a ``TcpTransport``): each connection owns its own NIXL agent
+(no progress thread: only the thread using the connection drives it) and, after AUTH, asks the
 server's agent name (``OP_NIXL_HELLO``) and loads that agent's metadata, from the directory
 (``learn_peer``) or, when it has none or a stale one, from the server on the same
 authenticated connection. A read is one request on the connection and **one batched NIXL READ**
-with a descriptor per item (a whole prompt's blocks, or one layer range of each), pulled into a
-staging buffer the connection owns (registered with the reader's agent), checksummed there and
-only then copied into the caller's rows. A failed, errored or timed-out transfer is a miss.
-After a timeout the transfer is cancelled (``releaseXferReq``); one that cannot be cancelled
-keeps its staging buffer alive (never freed, never reused) until it finishes, so a late byte
-never lands in memory anyone uses. Writes stay on the TCP path.
+with a descriptor per item (a whole prompt's blocks, or one layer range of each):
+
+- *direct* (the default on a host without RDMA devices): the caller's rows are registered with
+  the connection's agent for this read (``register_spans``: UCX only records the ranges there,
+  ~0.25 ms per 128 MiB) and the READ lands in them; each row is then checksummed in place, and
+  ``ok`` counts only the leading rows that verified. No staging buffer, no second copy.
+- *staged* (a host with RDMA devices, or rows that are not a few contiguous spans): the READ
+  lands in a registered buffer the connection owns, is checksummed there and only then copied
+  into the rows (``copy_verified``).
+
+No byte lands in the caller's rows after ``read`` returns. NIXL 1.5.1 cannot cancel a running
+READ (releasing it returns success while the RMA goes on), so a READ still running at the
+deadline is never released: its connection, agent and buffers are *retired* — kept alive, never
+driven again — and the read is a miss. Without RDMA every byte of a UCX transfer (tcp, cma,
+shared memory) is moved inside a progress call of the reader's own agent, so an agent nobody
+drives writes nothing more; with RDMA a NIC could, which is why such hosts stage (late bytes
+can then only reach the retired connection's staging buffer). A peer that dies mid-transfer
+fails it (UCX endpoint error): a miss. Writes stay on the TCP path.
 
 Peers that do not speak NIXL (a ``--transport tcp`` / ``ucx`` node answers NIXL_HELLO "unknown
 op") are read over the plain TCP path, so a cluster can mix transports.
@@ -38,13 +51,11 @@ torch, which pip resolves to a CUDA build (5.7 GB); NIXL needs no torch for host
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import socket
-import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,7 +64,30 @@ from kvpool.core.auth import Credentials
 from kvpool.core.errors import InvalidArgument, Unauthenticated, Unavailable
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, copy_verified, split_address
+from kvpool.transport.nixl_agent import (
+    STATE_BUSY,
+    STATE_ERROR,
+    Agent,
+    has_rdma,
+    is_loopback,
+    nixl_available,
+    nixl_plugins,
+    ucx_overrides,
+    usable_backends,
+)
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, split_address
+from kvpool.transport.verify import copy_verified, verify_in_place
+
+__all__ = [
+    "NixlDataServer",
+    "NixlTransport",
+    "nixl_available",
+    "nixl_plugins",
+    "require_nixl",
+    "row_spans",
+    "ucx_overrides",
+    "usable_backends",
+]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -62,202 +96,32 @@ INSTALL_HINT = (
     f"pip install --no-deps {NIXL_REQUIREMENT}  (--no-deps: its unpinned torch requirement pulls a CUDA "
     "torch; NIXL needs no torch for host memory), or use --transport tcp / ucx"
 )
-#: the progress thread of the node's agent sleeps this long when idle: 0 (NIXL's Python default)
-#: spins a core per daemon; 100 us still cost ~40% of a core; 1000 us measured as fast here
-PROGRESS_DELAY_US = 1000
 STAGING_KEEP_BYTES = 256 << 20  # a connection keeps a staging buffer up to this size between reads
-WINDOW_BYTES = 512 << 20  # one NIXL_READ request (and its staging buffer) moves at most this much
+WINDOW_BYTES = 512 << 20  # one NIXL_READ request (and a staging buffer) moves at most this much
 MAX_AGENT_NAME_BYTES = 256
-STATE_DONE, STATE_BUSY, STATE_ERROR = "done", "busy", "error"
-RDMA_SYSFS = "/sys/class/infiniband"  # one entry per RDMA device (verbs: InfiniBand, RoCE, EFA)
-
-_env_lock = threading.Lock()
-
-
-def nixl_available() -> str:
-    """'' when the NIXL bindings import, else why not."""
-    try:
-        import nixl_cu12._bindings  # noqa: F401
-    except Exception as exc:  # ImportError, or a shared library that does not load
-        return f"{type(exc).__name__}: {exc}"
-    return ""
+MAX_DIRECT_SPANS = 64  # rows in more contiguous pieces than this are read staged
+#: retired connections (a READ still running at its deadline) are kept for the process's life;
+#: past this many the transport logs an error on each new one (a peer that keeps stalling)
+RETIRED_WARN_COUNT = 16
 
 
-def nixl_plugins() -> list[str]:
-    """The backend plugins this NIXL build ships (UCX, POSIX, GDS, OBJ, ...); [] without NIXL.
-    Shipping a plugin is not being usable: ``usable_backends`` tries to instantiate each."""
-    if nixl_available():
-        return []
-    agent = _make_agent(f"kvpool-probe-{secrets.token_hex(4)}", progress_thread=False, loopback=True, backend="")
-    return sorted(str(p) for p in agent.getAvailPlugins())
-
-
-def usable_backends(
-    candidates: Sequence[str] = ("UCX", "POSIX", "OBJ", "GDS", "GDS_MT", "LIBFABRIC"),
-) -> dict[str, str]:
-    """Each candidate backend -> "" when an agent can instantiate it here, else why not."""
-    why = nixl_available()
-    if why:
-        return {name: why for name in candidates}
-    plugins = set(nixl_plugins())
-    result: dict[str, str] = {}
-    for name in candidates:
-        if name not in plugins:
-            result[name] = "plugin not shipped"
+def row_spans(rows: Sequence[np.ndarray], max_spans: int = 0) -> list[tuple[int, int]] | None:
+    """The (address, bytes) spans covering ``rows`` in order, adjacent rows merged; None when a
+    row is not a writable C-contiguous buffer or there are more than ``max_spans`` spans (then
+    registering them would cost more than staging; ``max_spans`` 0 = ``MAX_DIRECT_SPANS``)."""
+    max_spans = max_spans or MAX_DIRECT_SPANS
+    spans: list[tuple[int, int]] = []
+    for row in rows:
+        if not (row.flags.c_contiguous and row.flags.writeable):
+            return None
+        address, nbytes = int(row.ctypes.data), int(row.nbytes)
+        if spans and spans[-1][0] + spans[-1][1] == address:
+            spans[-1] = (spans[-1][0], spans[-1][1] + nbytes)
             continue
-        try:
-            _make_agent(f"kvpool-probe-{secrets.token_hex(4)}", progress_thread=False, loopback=True, backend=name)
-            result[name] = ""
-        except Exception as exc:  # a backend whose library or device is missing refuses here
-            result[name] = f"{type(exc).__name__}: {exc}"
-    return result
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def ucx_overrides(loopback: bool, environ: Mapping[str, str], rdma_sysfs: str = RDMA_SYSFS) -> dict[str, str]:
-    """The UCX settings an agent is created with, beyond what the operator set in ``environ``.
-
-    - ``UCX_NET_DEVICES=lo`` when every peer is on loopback: UCX's TCP transport otherwise
-      listens on every interface.
-    - ``UCX_MODULES=^ib`` on a host without RDMA devices: nixl-cu12 1.5.1 bundles its own libnl,
-      and its InfiniBand module loads the system's verbs providers, which link the system libnl;
-      with both loaded the process segfaults at exit (in ``rtnl_tc_unregister``), after every
-      test passed. Without RDMA hardware that module has nothing to drive anyway."""
-    overrides: dict[str, str] = {}
-    if loopback and "UCX_NET_DEVICES" not in environ:
-        overrides["UCX_NET_DEVICES"] = "lo"
-    has_rdma = os.path.isdir(rdma_sysfs) and bool(os.listdir(rdma_sysfs))
-    if not has_rdma and "UCX_MODULES" not in environ:
-        overrides["UCX_MODULES"] = "^ib"
-    return overrides
-
-
-def _make_agent(name: str, progress_thread: bool, loopback: bool, backend: str = "UCX") -> Any:
-    """A NIXL agent (bindings level: the Python wrapper fixes the progress thread's delay at 0),
-    created with ``ucx_overrides`` in the environment: UCX reads it once, when the backend's
-    context is made, so the variables are set for that call only."""
-    from nixl_cu12 import _bindings as nixl  # type: ignore[import-untyped]
-
-    config = nixl.nixlAgentConfig()
-    config.useProgThread = progress_thread
-    config.useListenThread = False  # metadata travels through the directory / the data connection
-    config.pthrDelay = PROGRESS_DELAY_US if progress_thread else 0
-    config.syncMode = nixl.NIXL_THREAD_SYNC_RW  # reads of several peers run on several threads
-    config.captureTelemetry = False
-    with _env_lock:
-        overrides = ucx_overrides(loopback, os.environ)
-        os.environ.update(overrides)
-        try:
-            agent = nixl.nixlAgent(name, config)
-            if backend:
-                agent.createBackend(backend, {})
-        finally:
-            for key in overrides:
-                os.environ.pop(key, None)
-    return agent
-
-
-def _descs(nixl: Any, rows: np.ndarray) -> Any:
-    return nixl.nixlXferDList(nixl.DRAM_SEG, rows)
-
-
-class _Agent:
-    """One NIXL agent with the UCX backend: the few calls kvpool makes, typed, errors mapped."""
-
-    def __init__(self, name: str, progress_thread: bool, loopback: bool) -> None:
-        from nixl_cu12 import _bindings as nixl
-
-        self._nixl = nixl
-        self.name = name
-        self._agent = _make_agent(name, progress_thread, loopback)
-        self._lock = threading.Lock()
-        self._remotes: dict[str, str] = {}  # peer -> loaded remote agent name
-
-    def register(self, buffer: np.ndarray) -> Any:
-        regs = self._nixl.nixlRegDList(self._nixl.DRAM_SEG, [(buffer.ctypes.data, buffer.nbytes, 0, "")])
-        self._agent.registerMem(regs, [])
-        return regs
-
-    def deregister(self, regs: Any) -> None:
-        try:
-            self._agent.deregisterMem(regs, [])
-        except Exception as exc:  # the agent is being torn down: nothing left to protect
-            log.debug("nixl: deregistering failed: %s", exc)
-
-    def metadata(self) -> bytes:
-        return bytes(self._agent.getLocalMD())
-
-    def remote(self, peer: str) -> str:
-        with self._lock:
-            return self._remotes.get(peer, "")
-
-    def load_remote(self, peer: str, metadata: bytes) -> str:
-        """Load a peer's agent metadata; returns its agent name (replacing an older one of ``peer``)."""
-        if not metadata or len(metadata) > wire.MAX_NIXL_METADATA:
-            raise InvalidArgument(f"NIXL metadata of {peer} is {len(metadata)} bytes")
-        loaded = self._agent.loadRemoteMD(metadata)
-        name = loaded.decode("utf-8", "replace") if isinstance(loaded, bytes) else str(loaded)
-        with self._lock:
-            old = self._remotes.get(peer)
-            self._remotes[peer] = name
-        if old and old != name:
-            self._forget(old)
-        return name
-
-    def drop_remote(self, peer: str) -> None:
-        with self._lock:
-            name = self._remotes.pop(peer, "")
-        if name:
-            self._forget(name)
-
-    def _forget(self, name: str) -> None:
-        try:
-            self._agent.invalidateRemoteMD(name)
-        except Exception as exc:  # already gone
-            log.debug("nixl: invalidating %s failed: %s", name, exc)
-
-    def read(self, local: np.ndarray, remote: np.ndarray, remote_name: str) -> int:
-        """Post one batched READ (rows of (address, length, 0)); returns its handle."""
-        nixl = self._nixl
-        handle = int(
-            self._agent.createXferReq(nixl.NIXL_READ, _descs(nixl, local), _descs(nixl, remote), remote_name, "", [])
-        )
-        status = self._agent.postXferReq(handle, "")
-        if status not in (nixl.NIXL_SUCCESS, nixl.NIXL_IN_PROG):
-            self.release(handle)
-            raise ConnectionError(f"NIXL refused to post the READ ({status})")
-        return handle
-
-    def state(self, handle: int) -> str:
-        nixl = self._nixl
-        try:
-            status = self._agent.getXferStatus(handle)
-        except Exception:  # nixlRemoteDisconnectError and friends: the peer is gone
-            return STATE_ERROR
-        if status == nixl.NIXL_SUCCESS:
-            return STATE_DONE
-        return STATE_BUSY if status == nixl.NIXL_IN_PROG else STATE_ERROR
-
-    def release(self, handle: int) -> bool:
-        """Release a transfer (cancelling it if it still runs); False = NIXL could not, it may still write."""
-        try:
-            status = self._agent.releaseXferReq(handle)
-        except Exception as exc:
-            log.debug("nixl: releasing transfer %x failed: %s", handle, exc)
-            return False
-        return bool(status == self._nixl.NIXL_SUCCESS)
-
-
-@dataclass
-class _Staging:
-    """A connection's registered receive buffer, and the transfer that may still write into it."""
-
-    buffer: np.ndarray
-    regs: Any
-    handle: int = 0  # a transfer that was not released: the buffer must outlive it
+        spans.append((address, nbytes))
+        if len(spans) > max_spans:
+            return None
+    return spans
 
 
 class NixlDataServer(TcpDataServer):
@@ -272,13 +136,13 @@ class NixlDataServer(TcpDataServer):
     ) -> None:
         super().__init__(store, listen, credentials=credentials)
         self.done_timeout_s = done_timeout_s
-        self._agent: _Agent | None = None
+        self._agent: Agent | None = None
         self._regs: Any = None
         self.transport_metadata = b""
 
     def start(self) -> None:
         host, _ = split_address(self._listen)
-        agent = _Agent(f"kvpool-{secrets.token_hex(8)}", progress_thread=True, loopback=_is_loopback(host))
+        agent = Agent(f"kvpool-{secrets.token_hex(8)}", progress_thread=True, loopback=is_loopback(host))
         arena = self._store.arena()
         self._regs = agent.register(arena)  # once: every block of the arena is now readable by pull
         self._agent = agent
@@ -331,22 +195,38 @@ class NixlDataServer(TcpDataServer):
                 self._store.release(lease_id)
 
 
+@dataclass
+class _Conn:
+    """One reader connection's NIXL state: its own agent, the server's agent name, its staging."""
+
+    agent: Agent
+    remote: str
+    staging: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+    staging_regs: Any = None
+    retired: bool = False  # a READ was still running at its deadline: never driven or freed again
+
+
 class NixlTransport(TcpTransport):
     """Reads by NIXL READ (one batched transfer per request), writes over TCP."""
 
     name = "nixl"
     read_op = wire.OP_NIXL_READ
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "") -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "", direct: bool | None = None) -> None:
+        """``direct``: READ straight into the caller's rows (see the module docstring); None =
+        where the host has no RDMA devices."""
         super().__init__(timeout_s, token)  # AUTH runs on the TCP connection before NIXL_HELLO
-        self._agent: _Agent | None = None
-        self._agent_lock = threading.Lock()
-        self._offered: dict[str, bytes] = {}  # peer -> metadata from the directory, not loaded yet
+        self.direct = not has_rdma() if direct is None else direct
+        self._known: dict[str, bytes] = {}  # peer -> agent metadata (the directory's, or the peer's own)
+        self._from_directory: set[str] = set()  # peers whose known metadata the directory published
         self._plain: set[str] = set()  # peers that do not speak NIXL: read over TCP
-        self._staging: dict[socket.socket, _Staging] = {}
-        self._stuck: list[_Staging] = []  # staging of transfers NIXL could not cancel (yet)
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._retired: list[_Conn] = []  # kept alive, never driven: see the module docstring
         self.counters = {
             "nixl_reads": 0,  # batched NIXL READs that completed
+            "direct_reads": 0,  # ... of them straight into the caller's rows
+            "staged_reads": 0,  # ... through the connection's staging buffer
+            "retired_connections": 0,  # READs still running at their deadline
             "metadata_from_directory": 0,  # peer agents loaded from what the directory published
             "metadata_from_peer": 0,  # ... fetched over the data connection (none published, or stale)
             "tcp_peers": 0,  # peers that do not speak NIXL, read over TCP
@@ -355,7 +235,9 @@ class NixlTransport(TcpTransport):
     def learn_peer(self, peer: str, metadata: bytes) -> None:
         if metadata and len(metadata) <= wire.MAX_NIXL_METADATA:
             with self._lock:
-                self._offered[peer] = metadata
+                if self._known.get(peer) != metadata:
+                    self._known[peer] = metadata
+                    self._from_directory.add(peer)
 
     def _read_op(self, peer: str) -> int:
         return wire.OP_READ if peer in self._plain else wire.OP_NIXL_READ
@@ -372,13 +254,6 @@ class NixlTransport(TcpTransport):
         if start < len(dst):
             windows.append((start, len(dst)))
         return windows
-
-    def _local_agent(self, peer: str) -> _Agent:
-        with self._agent_lock:
-            if self._agent is None:
-                host, _ = split_address(peer)
-                self._agent = _Agent(f"kvpool-reader-{secrets.token_hex(8)}", False, _is_loopback(host))
-            return self._agent
 
     def _hello(self, sock: socket.socket, peer: str, want_metadata: bool, deadline: float) -> tuple[str, bytes]:
         wire.send_all(sock, wire.pack_header(wire.OP_NIXL_HELLO, int(want_metadata), bytes(16)), deadline)
@@ -399,23 +274,27 @@ class NixlTransport(TcpTransport):
 
     def _take(self, peer: str, deadline: float | None = None, fresh: bool = False) -> tuple[socket.socket, bool]:
         sock, pooled = super()._take(peer, deadline, fresh)
-        if sock in self._staging or peer in self._plain:
+        if sock in self._conns or peer in self._plain:
             return sock, pooled
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         try:
-            agent = self._local_agent(peer)
             name, _ = self._hello(sock, peer, False, deadline)
-            if agent.remote(peer) != name:
+            host, _ = split_address(peer)
+            agent = Agent(f"kvpool-reader-{secrets.token_hex(8)}", False, is_loopback(host))
+            with self._lock:
+                known = self._known.get(peer, b"")
+                published = peer in self._from_directory
+            if known and agent.load_remote(peer, known) == name:
+                self.counters["metadata_from_directory" if published else "metadata_from_peer"] += 1
+            else:  # none published, or stale (the node restarted with a new agent)
+                _, metadata = self._hello(sock, peer, True, deadline)
+                if agent.load_remote(peer, metadata) != name:
+                    raise InvalidArgument(f"peer {peer}'s NIXL metadata names another agent than {name}")
                 with self._lock:
-                    offered = self._offered.pop(peer, b"")
-                if offered and agent.load_remote(peer, offered) == name:
-                    self.counters["metadata_from_directory"] += 1
-                else:  # none published, or stale (the node restarted with a new agent)
-                    _, metadata = self._hello(sock, peer, True, deadline)
-                    if agent.load_remote(peer, metadata) != name:
-                        raise InvalidArgument(f"peer {peer}'s NIXL metadata names another agent than {name}")
-                    self.counters["metadata_from_peer"] += 1
+                    self._known[peer] = metadata
+                    self._from_directory.discard(peer)
+                self.counters["metadata_from_peer"] += 1
         except _NotNixl as exc:
             sock.close()  # the server closes after an unknown op
             log.warning("%s: reading it over TCP", exc)
@@ -427,19 +306,19 @@ class NixlTransport(TcpTransport):
             sock.close()
             raise
         with self._lock:
-            self._staging[sock] = _Staging(np.empty(0, dtype=np.uint8), None)
+            self._conns[sock] = _Conn(agent, name)
         return sock, pooled
 
-    def _staging_for(self, agent: _Agent, staging: _Staging, nbytes: int) -> np.ndarray:
-        if staging.buffer.nbytes < nbytes:
-            if staging.regs is not None:
-                agent.deregister(staging.regs)
-                staging.regs = None
-            staging.buffer = np.empty(0, dtype=np.uint8)
+    def _staging_for(self, conn: _Conn, nbytes: int) -> np.ndarray:
+        if conn.staging.nbytes < nbytes:
+            if conn.staging_regs is not None:
+                conn.agent.deregister(conn.staging_regs)
+                conn.staging_regs = None
+            conn.staging = np.empty(0, dtype=np.uint8)
             buffer = np.empty(nbytes, dtype=np.uint8)
-            staging.regs = agent.register(buffer)
-            staging.buffer = buffer
-        return staging.buffer[:nbytes]
+            conn.staging_regs = conn.agent.register(buffer)
+            conn.staging = buffer
+        return conn.staging[:nbytes]
 
     def _receive(
         self,
@@ -451,91 +330,104 @@ class NixlTransport(TcpTransport):
         deadline: float,
     ) -> int:
         with self._lock:
-            staging = self._staging.get(sock)
-        if staging is None:  # a plain TCP peer
+            conn = self._conns.get(sock)
+        if conn is None:  # a plain TCP peer
             return super()._receive(sock, peer, metas, dst, progress, deadline)
         if not metas:
             return -1
-        agent = self._local_agent(peer)
         raw = wire.recv_exact(sock, len(metas) * wire.NIXL_ADDRESS.size, deadline)
+        rows = dst[: len(metas)]
         lengths = np.array([length for length, _ in metas], dtype=np.uint64)
-        starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.uint64)
-        buffer = self._staging_for(agent, staging, int(starts[-1]))
-        local = np.zeros((len(metas), 3), dtype=np.uint64)
-        local[:, 0] = buffer.ctypes.data + starts[:-1]
-        local[:, 1] = lengths
         remote = np.zeros((len(metas), 3), dtype=np.uint64)
         remote[:, 0] = np.frombuffer(raw, dtype="<u8")
         remote[:, 1] = lengths
-        staging.handle = agent.read(local, remote, agent.remote(peer))
-        self._wait(agent, staging, peer, deadline)
-        self.counters["nixl_reads"] += 1
+        local = np.zeros((len(metas), 3), dtype=np.uint64)
+        local[:, 1] = lengths
+        regs = self._register_rows(conn, rows) if self.direct else None
+        if regs is not None:
+            local[:, 0] = [row.ctypes.data for row in rows]
+        else:
+            starts = np.concatenate(([0], np.cumsum(lengths))).astype(np.uint64)
+            staging = self._staging_for(conn, int(starts[-1]))
+            local[:, 0] = staging.ctypes.data + starts[:-1]
+        self._pull(conn, local, remote, peer, deadline)  # a timeout retires conn: regs stay as they are
         try:
-            bad = copy_verified(buffer, [int(x) for x in starts], metas, dst, progress)
-            self.bytes_received += int(starts[progress[0]])
+            if regs is not None:
+                conn.agent.deregister(regs)  # the READ has ended: nothing writes into the rows any more
+                self.counters["direct_reads"] += 1
+                bad = verify_in_place(rows, metas, progress)
+            else:
+                self.counters["staged_reads"] += 1
+                bad = copy_verified(staging, [int(x) for x in starts], metas, dst, progress)
+            self.bytes_received += sum(length for length, _ in metas[: progress[0]])
             return bad
         finally:
-            # the server holds its lease until this: sent after the copies, so a failure here
+            # the server holds its lease until this: sent after the checks, so a failure here
             # (the server died just now) still leaves every verified block counted
             wire.send_all(sock, wire.pack_header(wire.OP_NIXL_DONE, len(metas), bytes(16)), deadline)
-            if staging.buffer.nbytes > STAGING_KEEP_BYTES and staging.regs is not None:
-                agent.deregister(staging.regs)
-                staging.regs, staging.buffer = None, np.empty(0, dtype=np.uint8)
+            if conn.staging.nbytes > STAGING_KEEP_BYTES and conn.staging_regs is not None:
+                conn.agent.deregister(conn.staging_regs)
+                conn.staging_regs, conn.staging = None, np.empty(0, dtype=np.uint8)
 
-    def _wait(self, agent: _Agent, staging: _Staging, peer: str, deadline: float) -> None:
-        """Poll the transfer to its end (polling also progresses the reader's UCX worker)."""
+    def _register_rows(self, conn: _Conn, rows: Sequence[np.ndarray]) -> Any:
+        """Register the caller's rows for one direct READ; None = read staged instead."""
+        spans = row_spans(rows)
+        if spans is None:
+            return None
+        try:
+            return conn.agent.register_spans(spans)
+        except Exception as exc:  # overlapping rows, or memory NIXL will not take: stage
+            log.info("nixl: registering %d row spans failed (%s): reading staged", len(spans), exc)
+            return None
+
+    def _pull(self, conn: _Conn, local: np.ndarray, remote: np.ndarray, peer: str, deadline: float) -> None:
+        """Post one batched READ and poll it to its end (polling progresses the connection's
+        agent: nothing else does). Past the deadline the connection is retired, not released."""
+        handle = conn.agent.read(local, remote, conn.remote)
         polls = 0
         while True:
-            state = agent.state(staging.handle)
+            state = conn.agent.state(handle)
             if state != STATE_BUSY:
                 break
             if time.monotonic() > deadline:
+                self._retire(conn, peer)
                 raise TimeoutError(f"the NIXL READ from {peer} did not complete in time")
             polls += 1
             if polls % 1024 == 0:
                 time.sleep(0)  # let other threads (and their transfers) run
-        handle, staging.handle = staging.handle, 0
-        if not agent.release(handle):
-            staging.handle = handle  # finished but not released: retried when the connection goes
+        conn.agent.release(handle)  # ended: done, or failed with the peer's endpoint
         if state == STATE_ERROR:
-            agent.drop_remote(peer)  # a dead or restarted peer: load its agent again next time
             raise ConnectionError(f"the NIXL READ from {peer} failed (peer gone?)")
+        self.counters["nixl_reads"] += 1
+
+    def _retire(self, conn: _Conn, peer: str) -> None:
+        conn.retired = True
+        with self._lock:
+            self._retired.append(conn)
+            count = len(self._retired)
+        self.counters["retired_connections"] += 1
+        log.log(
+            logging.ERROR if count > RETIRED_WARN_COUNT else logging.WARNING,
+            "nixl: a READ from %s was still running at its deadline: its connection and agent are retired "
+            "(kept, never driven again: no late byte reaches the caller); %d retired so far",
+            peer,
+            count,
+        )
 
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:
-            staging = self._staging.pop(sock, None)
-        if staging is not None and self._agent is not None:
-            self._retire(self._agent, staging)
+            conn = self._conns.pop(sock, None)
+        if conn is not None and not conn.retired and conn.staging_regs is not None:
+            conn.agent.deregister(conn.staging_regs)
+            conn.staging_regs = None
         sock.close()
-
-    def _retire(self, agent: _Agent, staging: _Staging) -> None:
-        """Free a connection's staging buffer, unless a transfer may still write into it."""
-        if staging.handle and not agent.release(staging.handle):
-            with self._lock:
-                self._stuck.append(staging)  # kept alive, never reused: see the module docstring
-            log.warning("nixl: a cancelled READ is still running; its staging buffer is kept until it ends")
-            return
-        staging.handle = 0
-        if staging.regs is not None:
-            agent.deregister(staging.regs)
-            staging.regs = None
-        with self._lock:
-            stuck, self._stuck = self._stuck, []
-        for old in stuck:
-            if agent.release(old.handle):
-                old.handle = 0
-                if old.regs is not None:
-                    agent.deregister(old.regs)
-            else:
-                with self._lock:
-                    self._stuck.append(old)
 
     def close(self) -> None:
         super().close()
         with self._lock:
-            left = len(self._stuck)
+            left = len(self._retired)
         if left:
-            log.warning("nixl: %d cancelled READs never ended; their staging buffers stay allocated", left)
+            log.warning("nixl: %d connections retired after a stalled READ stay allocated", left)
 
 
 class _NotNixl(Unavailable):

@@ -67,26 +67,6 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def copy_verified(
-    staging: np.ndarray,
-    starts: Sequence[int],
-    metas: Sequence[tuple[int, int]],
-    dst: Sequence[np.ndarray],
-    progress: list[int],
-) -> int:
-    """Check each item landed in ``staging`` (item i at ``[starts[i], starts[i + 1])``) against its
-    checksum and only then copy it into ``dst[i]``; ``progress[0]`` counts the leading items copied.
-    Returns the first index that failed its checksum, or -1. The UCX and NIXL readers receive into
-    a buffer of their own and use this, so a bad or late byte never reaches the caller's rows."""
-    for i, (_, checksum) in enumerate(metas):
-        landed = staging[int(starts[i]) : int(starts[i + 1])]
-        if checksum64(landed) != checksum:
-            return i
-        memoryview(dst[i]).cast("B")[:] = memoryview(landed)  # type: ignore[arg-type]
-        progress[0] = i + 1
-    return -1
-
-
 class ProtocolViolation(InvalidArgument):
     """A peer sent something the protocol does not allow (more items than asked, a length
     that is not the destination's, counts beyond the batch): the connection is dropped and

@@ -6,18 +6,25 @@ UCX pick shared memory - sm/cma/posix - between processes of one host, and RDMA 
 the build has verbs) and answers with its own worker address. Reads then go as
 ``OP_READ_UCX``: the request, the reply header and every (length, checksum) travel on the
 TCP connection; the block bytes travel as one UCX tag message per item, all posted at once
-(pipelined), received into a staging buffer the connection owns, checksummed there and
-only then copied into the caller's rows (one memcpy per block: a receive UCX has matched
-cannot be cancelled, so after a timeout late bytes could otherwise land in rows already
-reported as a miss). The server holds its store read lease until every send has completed.
+(pipelined). The server holds its store read lease until every send has completed.
+
+Where the bytes land. A receive UCX has matched cannot be cancelled, so after a timeout
+bytes may still arrive; they must never reach rows already reported as a miss.
+- *direct* (a host without RDMA devices, the default): the receives are posted on the
+  caller's rows and each row is checksummed in place once all completed (``verify_in_place``).
+  Rendezvous is by *get* (``CONTEXT_CONFIG``), so every byte lands inside a progress call of
+  the reader's own worker; a read past its deadline *retires* its link: never progressed,
+  waited on or closed again, so nothing more lands.
+- *staged* (RDMA devices present, where a NIC writes on its own, or ``direct=False``): the
+  receives land in a staging buffer the connection owns, checksummed there and only then
+  copied into the rows; a timeout cancels the receives and drops the connection, its worker
+  and its staging buffer: a late byte can only land in that buffer.
 
 Each connection owns its own UCX worker, driven by the one thread that uses the
 connection at a time: the reader polls (the fastest way to complete a transfer), the
 server waits in the worker's epoll (blocking progress mode), so two spinning threads do
 not fight over the cores; on this 2-core machine that took 4 MiB reads from ~1 to ~3.5
-GB/s. Writes stay on the TCP path. A timeout cancels the outstanding
-receives and drops the connection, its worker and its staging buffer: a late byte can only
-land in that buffer, never in one the caller has been told is a miss.
+GB/s. Writes stay on the TCP path.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ from kvpool.core.auth import Credentials
 from kvpool.core.errors import InvalidArgument
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, copy_verified
+from kvpool.transport.nixl_agent import has_rdma
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport
+from kvpool.transport.verify import copy_verified, verify_in_place
 
 log = logging.getLogger("kvpool.transport")
 
@@ -46,6 +55,10 @@ CLOSE_DRAIN_S = 0.2  # how long closing a link progresses its worker so cancelle
 STAGING_KEEP_BYTES = (
     256 << 20
 )  # a connection keeps a staging buffer up to this size between reads (a 32 x 4 MiB batch fits)
+#: rendezvous by *get*: the receiver pulls a large message (cma, or RDMA READ), so on a host
+#: without RDMA every byte lands inside a progress call of the receiving worker, never pushed
+#: by the sender (``put_zcopy``) while the receiver has given up on it
+CONTEXT_CONFIG = {"RNDV_SCHEME": "get_zcopy"}
 _context_lock = threading.Lock()
 _contexts: list[Any] = []
 
@@ -54,7 +67,11 @@ def _context() -> Any:
     """One UCX context per process (created on first use, shared by every worker)."""
     with _context_lock:
         if not _contexts:
-            _contexts.append(ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)))
+            _contexts.append(
+                ucx_api.UCXContext(
+                    config_dict=dict(CONTEXT_CONFIG), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+                )
+            )
         return _contexts[0]
 
 
@@ -67,6 +84,7 @@ class _Link:
         if blocking:
             self.worker.init_blocking_progress_mode()
         self.endpoint: Any = None
+        self.retired = False  # a direct receive was still posted at its deadline: never progressed again
         self.next_tag = 1
         self._staging = np.empty(0, dtype=np.uint8)
         self._posted: list[Any] = []
@@ -84,7 +102,7 @@ class _Link:
     def staging(self, nbytes: int) -> np.ndarray:
         """The link's private receive buffer, at least ``nbytes`` long.
 
-        Reads land here, never straight in the caller's rows: a receive UCX has already
+        Staged reads land here, not in the caller's rows: a receive UCX has already
         matched cannot be cancelled (``ucp_request_cancel`` has no effect on it), and
         ``cancel_inflight_requests`` only schedules the cancels, so after a timeout bytes
         may still arrive. They then land in memory this link owns and that nobody reads
@@ -205,9 +223,14 @@ class UcxTransport(TcpTransport):
     name = "ucx"
     read_op = wire.OP_READ_UCX
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "") -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "", direct: bool | None = None) -> None:
+        """``direct``: receive straight into the caller's rows (module docstring); None = where
+        the host has no RDMA devices."""
         super().__init__(timeout_s, token)  # AUTH runs on the TCP connection before the UCX upgrade
+        self.direct = not has_rdma() if direct is None else direct
         self._links: dict[socket.socket, _Link] = {}
+        self._retired: list[_Link] = []  # kept alive, never progressed again
+        self.counters = {"direct_reads": 0, "staged_reads": 0, "retired_links": 0}
         _context()
 
     def _take(self, peer: str, deadline: float | None = None, fresh: bool = False) -> tuple[socket.socket, bool]:
@@ -248,14 +271,33 @@ class UcxTransport(TcpTransport):
         starts = [0]
         for length, _ in metas:
             starts.append(starts[-1] + length)
-        staging = link.staging(starts[-1])  # private: see _Link.staging for why not the caller's rows
+        rows = dst[: len(metas)]
+        direct = self.direct and all(row.flags.c_contiguous and row.flags.writeable for row in rows)
+        if direct:
+            targets = list(rows)
+        else:
+            staging = link.staging(starts[-1])  # private: see _Link.staging for why not the caller's rows
+            targets = [staging[starts[i] : starts[i + 1]] for i in range(len(metas))]
         requests = [
-            link.endpoint.tag_recv(Array(staging[starts[i] : starts[i + 1]]), tag=ucx_api.UCXXTag(base | i))
-            for i in range(len(metas))
+            link.endpoint.tag_recv(Array(target), tag=ucx_api.UCXXTag(base | i)) for i, target in enumerate(targets)
         ]
-        link.wait(requests, deadline)  # the read's one deadline; TimeoutError -> the caller drops the connection
         try:
-            bad = copy_verified(staging, starts, metas, dst, progress)
+            link.wait(requests, deadline)  # the read's one deadline
+        except TimeoutError:
+            if direct:  # a matched receive cannot be cancelled: never progress this worker again
+                link.retired = True
+                with self._lock:
+                    self._retired.append(link)
+                self.counters["retired_links"] += 1
+                log.warning("ucx: a read from %s timed out: its link is retired (never progressed again)", peer)
+            raise  # -> the caller drops the connection
+        try:
+            if direct:
+                self.counters["direct_reads"] += 1
+                bad = verify_in_place(rows, metas, progress)
+            else:
+                self.counters["staged_reads"] += 1
+                bad = copy_verified(staging, starts, metas, dst, progress)
             self.bytes_received += starts[progress[0]]
             return bad
         finally:
@@ -264,6 +306,6 @@ class UcxTransport(TcpTransport):
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:
             link = self._links.pop(sock, None)
-        if link is not None:
+        if link is not None and not link.retired:  # closing progresses the worker
             link.close()
         sock.close()

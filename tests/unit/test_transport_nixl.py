@@ -6,6 +6,7 @@ plain TCP for peers that do not speak NIXL."""
 # ruff: noqa: F811  (the fixtures imported from transport_helpers are parameters here)
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from kvpool.transport.tcp import TcpDataServer
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(bool(nixl_available()), reason=f"nixl unusable: {nixl_available()}")]
 
 if not nixl_available():
-    from kvpool.transport import nixl
+    from kvpool.transport import nixl, nixl_agent
     from kvpool.transport.nixl import NixlDataServer, NixlTransport
 
 
@@ -63,11 +64,12 @@ def test_blocks_and_layer_ranges_arrive_verified_in_one_batched_read(
 ) -> None:
     ks, data = keys(12), blocks(12, 1)
     assert reader.write(nserver.address, NS_DIGEST, ks, data).stored == 12  # writes go over TCP
-    for _ in range(2):  # the second read reuses the connection, its agent and its staging buffer
+    for _ in range(2):  # the second read reuses the connection and its agent
         out = np.zeros_like(data)
         assert reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out)).ok == 12
         np.testing.assert_array_equal(out, data)
     assert reader.counters["nixl_reads"] == 2 and reader.counters["metadata_from_peer"] == 1
+    assert reader.counters["direct_reads"] == 2  # no RDMA here: straight into out's rows
     offset, length = SPEC.layer_range_bytes(1, 2)
     part = np.zeros((12, length), dtype=np.uint8)
     assert reader.read(nserver.address, NS_DIGEST, [ReadItem(k, offset, length) for k in ks], list(part)).ok == 12
@@ -75,12 +77,16 @@ def test_blocks_and_layer_ranges_arrive_verified_in_one_batched_read(
     assert eventually(lambda: node.store.summary()["leases_active"] == 0)  # NIXL_DONE released every lease
 
 
+@pytest.mark.parametrize("direct", [True, False])
 def test_a_prefix_the_node_lacks_and_a_rotten_block_are_misses(
     nserver: NixlDataServer,
-    reader: NixlTransport,
     node: PoolNode,
     caplog: pytest.LogCaptureFixture,
+    direct: bool,
 ) -> None:
+    """``ok`` stops at the rotten block. A direct READ has landed it (and what follows) in the
+    rows past ``ok``, which the caller recomputes anyway, as with TCP; a staged one never copies it."""
+    reader = NixlTransport(timeout_s=3.0, direct=direct)
     ks, data = keys(4, 50), blocks(4, 2)
     reader.write(nserver.address, NS_DIGEST, ks, data)
     longer = keys(6, 50)
@@ -94,10 +100,11 @@ def test_a_prefix_the_node_lacks_and_a_rotten_block_are_misses(
         got = reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
     assert (got.ok, got.corrupt_index) == (2, 2)
     np.testing.assert_array_equal(out[:2], data[:2])
-    assert not out[2:].any()  # the rotten block never reached the caller's rows
+    assert out[2:].any() == direct
     assert nserver.address in caplog.text
     assert reader.read(nserver.address, NS_DIGEST, [ReadItem(ks[0])], [out[0]]).ok == 1  # still in sync
     assert eventually(lambda: node.store.summary()["leases_active"] == 0)
+    reader.close()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -127,6 +134,36 @@ def test_any_batch_of_layer_ranges_reads_exactly_those_bytes(
     assert reader.read(nserver.address, NS_DIGEST, items, dst).ok == len(items)
     for got, expected in zip(dst, want):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_rows_in_many_pieces_are_read_staged_and_a_few_pieces_direct(
+    nserver: NixlDataServer, reader: NixlTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nixl, "MAX_DIRECT_SPANS", 3)
+    ks, data = keys(6, 900), blocks(6, 11)
+    reader.write(nserver.address, NS_DIGEST, ks, data)
+    every_other = np.zeros((12, BB), dtype=np.uint8)  # 6 rows, 6 pieces: more than 3
+    assert reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], list(every_other[::2])).ok == 6
+    two_arrays = [np.zeros((3, BB), dtype=np.uint8), np.zeros((3, BB), dtype=np.uint8)]  # 2 pieces
+    rows = [*two_arrays[0], *two_arrays[1]]
+    assert reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], rows).ok == 6
+    np.testing.assert_array_equal(every_other[::2], data)
+    np.testing.assert_array_equal(np.concatenate(two_arrays), data)
+    assert (reader.counters["staged_reads"], reader.counters["direct_reads"]) == (1, 1)
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 64)), min_size=1, max_size=12))
+def test_row_spans_cover_exactly_the_rows_in_order(picks: list[tuple[int, int]]) -> None:
+    """Invariant: the spans are the rows' bytes, in order, adjacent rows merged, no gap bridged."""
+    buffer = np.zeros(8 * 64 + 64, dtype=np.uint8)
+    rows = [buffer[start * 64 : start * 64 + length] for start, length in picks]
+    spans = nixl.row_spans(rows, max_spans=len(rows))
+    assert spans is not None
+    covered = [(int(r.ctypes.data), int(r.nbytes)) for r in rows]
+    flat = [a + i for a, n in covered for i in range(n)]
+    assert [a + i for a, n in spans for i in range(n)] == flat
+    assert all(a1 + n1 != a2 for (a1, n1), (a2, _) in itertools.pairwise(spans))  # merged wherever adjacent
+    assert nixl.row_spans([buffer[::2]]) is None  # not contiguous: staged
 
 
 def test_a_read_larger_than_a_window_is_split_into_several_requests(
@@ -247,21 +284,43 @@ def test_without_auth_no_address_no_metadata_and_a_foreign_namespace_is_denied(
         srv.stop()
 
 
-def test_a_transfer_past_its_deadline_is_a_miss_and_its_buffer_outlives_it(
-    nserver: NixlDataServer, reader: NixlTransport, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_transfer_past_its_deadline_is_a_miss_and_its_connection_is_never_driven_again(
+    nserver: NixlDataServer, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
+    """NIXL cannot cancel a running READ: past the deadline the reader neither releases it nor
+    polls its agent again (a poll is what moves a late byte on a host without RDMA), and later
+    reads go over a new connection with a new agent."""
+    reader = NixlTransport(timeout_s=0.5, direct=direct)
     ks, data = keys(3, 700), blocks(3, 9)
     reader.write(nserver.address, NS_DIGEST, ks, data)
-    reader.timeout_s = 0.5
-    monkeypatch.setattr(nixl._Agent, "state", lambda self, handle: nixl.STATE_BUSY)  # never completes
-    monkeypatch.setattr(nixl._Agent, "release", lambda self, handle: False)  # and cannot be cancelled
-    out = np.zeros_like(data)
-    got = reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out))
+    polled: list[object] = []
+    released: list[object] = []
+    real_release = nixl.Agent.release
+
+    def never_done(agent: object, handle: int) -> str:
+        polled.append(agent)
+        return nixl.STATE_BUSY
+
+    def release(agent: object, handle: int) -> bool:
+        released.append(agent)
+        return real_release(agent, handle)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nixl.Agent, "state", never_done)
+    monkeypatch.setattr(nixl.Agent, "release", release)
+    got = reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], list(np.zeros_like(data)))
     assert got.ok == 0 and "time" in got.reason
-    assert not out.any()  # nothing reached the caller's rows
-    assert len(reader._stuck) == 1 and reader._stuck[0].buffer.nbytes >= 3 * BB  # kept, never reused
+    assert reader.counters["retired_connections"] == 1 and not released
+    (retired,) = reader._retired
+    assert retired.retired and (retired.staging.nbytes >= 3 * BB) != direct  # a staged read keeps its buffer
     monkeypatch.undo()
+    monkeypatch.setattr(nixl.Agent, "release", release)
+    out = np.zeros_like(data)
     assert reader.read(nserver.address, NS_DIGEST, [ReadItem(k) for k in ks], list(out)).ok == 3
+    np.testing.assert_array_equal(out, data)
+    assert retired.agent not in released  # the stalled READ's agent was never touched again
+    assert reader.counters["direct_reads" if direct else "staged_reads"] == 1
+    reader.close()
 
 
 def test_a_stopped_node_is_a_miss(nserver: NixlDataServer, reader: NixlTransport) -> None:
@@ -288,6 +347,18 @@ def test_ucx_overrides_keep_loopback_on_lo_and_respect_the_operator(tmp_path: Pa
     assert nixl.ucx_overrides(True, {}, no_rdma) == {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
     assert nixl.ucx_overrides(False, {}, str(rdma)) == {}  # a fabric: UCX picks devices and loads ib
     assert nixl.ucx_overrides(True, {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MODULES": "all"}, no_rdma) == {}
+
+
+def test_what_ucxx_puts_in_the_environment_is_hidden_from_nixl_agents() -> None:
+    """``import ucxx`` sets UCX_RNDV_THRESH=8192, which slows NIXL READs ~15x (nixl_agent)."""
+    assert nixl_agent.ucxx_injected({"UCX_RNDV_THRESH": "8192"}, {"ucxx": object()}) == ["UCX_RNDV_THRESH"]
+    assert nixl_agent.ucxx_injected({"UCX_RNDV_THRESH": "8192"}, {}) == []  # no ucxx: the operator's
+    assert nixl_agent.ucxx_injected({"UCX_RNDV_THRESH": "65536"}, {"ucxx": object()}) == []
+    import ucxx._lib.libucxx  # noqa: F401  (what the bench and a mixed-transport client do)
+
+    before = dict(os.environ)
+    nixl.Agent("kvpool-test-env", False, True)
+    assert dict(os.environ) == before  # restored after the agent was made
 
 
 CHILD = """

@@ -1,6 +1,8 @@
 """UCX reads that time out: bytes the peer sends after the deadline must never land in the
-caller's rows (already reported as a miss, and perhaps recomputed by the engine since); the
-staging buffer those bytes land in instead; a refused UCX read keeps the connection in step."""
+caller's rows (already reported as a miss, and perhaps recomputed by the engine since). A
+direct read (the default without RDMA) retires its link: never progressed again, so nothing
+more lands; a staged read's late bytes land in its staging buffer instead. A refused UCX read
+keeps the connection in step."""
 
 from __future__ import annotations
 
@@ -73,6 +75,17 @@ def late_server(store: NodeBlockStore) -> object:
     return LateServer(store, "127.0.0.1:0")
 
 
+def timed_out_read(server: Any, transport: Any, first_block: int, seed: int) -> np.ndarray:
+    """Write two blocks to the late server, read them back past the deadline (a miss); the
+    caller's rows that read was given."""
+    keys = block_hashes(NS, np.arange(16 * first_block, 16 * (first_block + 2)))
+    data = np.random.default_rng(seed).integers(1, 255, size=(2, BB), dtype=np.uint8)
+    assert transport.write(server.address, NS_DIGEST, keys, data).stored == 2
+    out = np.zeros_like(data)
+    assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 0
+    return out
+
+
 def test_bytes_sent_after_a_timeout_never_reach_the_callers_rows(
     node: PoolNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,7 +108,7 @@ def test_bytes_sent_after_a_timeout_never_reach_the_callers_rows(
 
     server: Any = late_server(NodeBlockStore(node))
     server.start()
-    transport = ucx.UcxTransport(timeout_s=0.3)
+    transport = ucx.UcxTransport(timeout_s=0.3, direct=False)
     try:
         keys = block_hashes(NS, np.arange(16 * 3))
         data = np.random.default_rng(11).integers(1, 255, size=(3, BB), dtype=np.uint8)
@@ -131,16 +144,51 @@ def test_a_timed_out_read_leaves_no_receive_posted(node: PoolNode, monkeypatch: 
     monkeypatch.setattr(ucx._Link, "wait", keeping_wait)
     server: Any = late_server(NodeBlockStore(node))
     server.start()
-    transport = ucx.UcxTransport(timeout_s=0.3)
+    transport = ucx.UcxTransport(timeout_s=0.3, direct=False)
     try:
-        keys = block_hashes(NS, np.arange(16 * 2, 16 * 4))
-        data = np.random.default_rng(12).integers(1, 255, size=(2, BB), dtype=np.uint8)
-        assert transport.write(server.address, NS_DIGEST, keys, data).stored == 2
-        out = np.zeros_like(data)
-        assert transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 0
+        out = timed_out_read(server, transport, 2, 12)
         assert len(posted) == 1 and all(r.completed for r in posted[0])
         assert server.sent.wait(SEND_DELAY_S + 5.0)  # the late sends went out, to a worker that is gone
         assert not out.any()
+    finally:
+        transport.close()
+        server.stop()
+
+
+def test_a_timed_out_direct_read_retires_its_link_and_nothing_lands_later(
+    node: PoolNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct receive UCX has matched cannot be cancelled, and only a progress call of the
+    reader's worker moves its bytes (rendezvous by get: ``CONTEXT_CONFIG``): the retired link is
+    never waited on, closed or progressed again, so the late sends land nowhere."""
+    from kvpool.transport import ucx
+
+    touched: list[ucx._Link] = []
+    wait, close = ucx._Link.wait, ucx._Link.close
+
+    def watched_wait(self: ucx._Link, requests: list[Any], deadline: float) -> None:
+        if self.retired:
+            touched.append(self)
+        wait(self, requests, deadline)
+
+    def watched_close(self: ucx._Link) -> None:
+        if self.retired:
+            touched.append(self)
+        close(self)
+
+    monkeypatch.setattr(ucx._Link, "wait", watched_wait)
+    monkeypatch.setattr(ucx._Link, "close", watched_close)
+    server: Any = late_server(NodeBlockStore(node))
+    server.start()
+    transport = ucx.UcxTransport(timeout_s=0.3, direct=True)
+    try:
+        out = timed_out_read(server, transport, 8, 15)
+        assert transport.counters["retired_links"] == 1 and transport._retired[0].retired
+        assert server.sent.wait(SEND_DELAY_S + 5.0)  # the late sends went out
+        time.sleep(0.2)
+        assert not out.any(), "late UCX bytes landed in rows already reported as a miss"
+        transport.close()
+        assert not touched  # the retired link was never driven again, not even by close
     finally:
         transport.close()
         server.stop()
@@ -152,7 +200,7 @@ def test_an_oversized_staging_buffer_is_let_go_after_the_read(node: PoolNode, mo
     monkeypatch.setattr(ucx, "STAGING_KEEP_BYTES", BB)
     server = ucx.UcxDataServer(NodeBlockStore(node), "127.0.0.1:0")
     server.start()
-    transport = ucx.UcxTransport(timeout_s=3.0)
+    transport = ucx.UcxTransport(timeout_s=3.0, direct=False)
     try:
         keys = block_hashes(NS, np.arange(16 * 4, 16 * 7))
         data = np.random.default_rng(13).integers(0, 255, size=(3, BB), dtype=np.uint8)
