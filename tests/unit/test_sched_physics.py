@@ -94,6 +94,33 @@ def test_the_decode_node_receives_the_whole_prefix_minus_what_it_holds() -> None
     assert p1.to_decode_bytes == 7 * 512 * COST.kv_bytes_per_token
 
 
+def test_a_transfer_takes_the_decode_nic_only_once_its_prefill_is_done() -> None:
+    """A long prefill's KV transfer must not hold the decode node's ingress during its prefill:
+    a short request decided after it, ready first, crosses first (the NIC is FIFO in ready order)."""
+    spec = ClusterSpec(num_prefill=2, num_decode=1, hbm_blocks=0, dram_blocks=0, pool_blocks=0, peer_fetch=False)
+    long_req = req(0, 0.0, tuple(range(60)))  # ~30K tokens: seconds of prefill
+    short = req(1, 1.0, (1000, 1001))
+    sim = replay(spec, [long_req, short], [("instance", 0, 2), ("instance", 1, 2)])
+    bytes_per_token = COST.kv_bytes_per_token
+    short_tx = float(transfer_ms(short.input_tokens * bytes_per_token, 100e9, 0.05))
+    short_done = 1.0 + COST.prefill_ms(short.input_tokens, 0)
+    assert abs(sim.out.ttft_ms[1] - (short_done + short_tx - 1.0)) < 1e-6
+    assert abs(sim.out.send_start_ms[1] - short_done) < 1e-6
+    long_done = COST.prefill_ms(long_req.input_tokens, 0)
+    long_tx = float(transfer_ms(long_req.input_tokens * bytes_per_token, 100e9, 0.05))
+    assert abs(sim.out.ttft_ms[0] - (long_done + long_tx)) < 1e-6  # the short one's transfer was long over
+
+
+def test_transfers_ready_together_queue_on_the_decode_nic() -> None:
+    """Two prefills done at the same time on two nodes: the second transfer waits for the first."""
+    spec = ClusterSpec(num_prefill=2, num_decode=1, hbm_blocks=0, dram_blocks=0, pool_blocks=0, peer_fetch=False)
+    a, b = req(0, 0.0, tuple(range(8))), req(1, 0.0, tuple(range(100, 108)))
+    sim = replay(spec, [a, b], [("instance", 0, 2), ("instance", 1, 2)])
+    done = COST.prefill_ms(a.input_tokens, 0)
+    tx = float(transfer_ms(a.input_tokens * COST.kv_bytes_per_token, 100e9, 0.05))
+    assert sorted(sim.out.ttft_ms.tolist()) == [done + tx, done + 2 * tx]
+
+
 def test_a_block_is_in_the_pool_only_once_its_write_has_arrived() -> None:
     spec = ClusterSpec(num_prefill=2, num_decode=1, hbm_blocks=0, dram_blocks=0, pool_blocks=1000, peer_fetch=False)
     ids = tuple(range(40))
