@@ -244,7 +244,7 @@ class ClusterState:
         local_n = spec.num_prefill + spec.num_decode
         peer, peer_len = -1, 0
         if spec.peer_fetch and local_n:
-            peer = int(np.argmax(lens[:local_n]))
+            peer = int(lens[:local_n].argmax())
             peer_len = int(lens[peer])
         if pool_len > 0 and pool_len >= peer_len:
             return spec.pool_member, pool_len
@@ -376,7 +376,7 @@ class ClusterState:
         exactly in scalar arithmetic; with many holders, the dense form prices all at once.
         """
         local_all = lens[members]
-        holders = np.flatnonzero(local_all)
+        holders = local_all.nonzero()[0]
         if holders.size > _SPARSE_HOLDERS:
             return self._plan_ttft_dense(req, members, lens, decode_member)
         spec, cost, now = self.spec, self.role_cost["prefill"], self.now_ms

@@ -55,7 +55,7 @@ class KvCentricPolicy(Policy):
         lens = state.prefix_lengths(req.hashes)
         if kind == "instance":
             tpot = state.predicted_tpot_ms(req, state.decode_slice)
-            j = int(np.argmin(tpot))
+            j = int(tpot.argmin())
             d, best_tpot = int(state.decode_arr[j]), float(tpot[j])
             ttft, reach = state.plan_ttft_vector(req, state.prefill_slice, lens, d)
         else:  # no prefill instances: prefill on the decode node that would also decode
@@ -66,7 +66,7 @@ class KvCentricPolicy(Policy):
         if self.occupancy_weight > 0:
             role = "prefill" if kind == "instance" else "decode"
             score = ttft - self.occupancy_weight * self._saved_ms(req, state.role_cost[role], state, reach)
-        i = int(np.argmin(score))
+        i = int(score.argmin())
         if self.affinity_slack > 0:
             i = self._affinity(i, score, lens[cands])
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
@@ -96,7 +96,7 @@ class KvCentricPolicy(Policy):
         within ``affinity_slack`` of the best TTFT (``i``), the longest local prefix, ties to the lower
         TTFT -- a duplicate on another instance would evict other prefixes there, so the caches stay
         partitioned. Only holders (local > 0) can beat ``i``; they are usually a few."""
-        holders = np.flatnonzero(local)
+        holders = local.nonzero()[0]
         if not holders.size:
             return i
         limit = float(ttft[i]) * (1.0 + self.affinity_slack)

@@ -261,7 +261,11 @@ def main() -> int:
         default="regime-local,regime-peers,workloads,goodput,goodput-local,capacity,paas,decision",
         help="comma list of parts to run (default: all but goodput80); results accumulate in --out",
     )
+    ap.add_argument("--kinds", default="agent,docqa,chat", help="generated workloads of part workloads")
+    ap.add_argument("--goodput-lo", type=float, default=0.5, help="first goodput probe (x the trace's rate)")
+    ap.add_argument("--goodput-steps", type=int, default=3, help="bisections after the bracket")
     args = ap.parse_args()
+    gp = {"lo": args.goodput_lo, "steps": args.goodput_steps}
     WORKLOADS["conversation"] = Workload.of(load_trace(args.trace))
     for kind in ("agent", "docqa", "chat"):
         WORKLOADS[kind] = Workload.of(generate(workload_spec(kind)))
@@ -303,6 +307,8 @@ def main() -> int:
     if "workloads" in parts:
         res = {}
         for kind, speeds, pols in WORKLOAD_RUNS:
+            if kind not in args.kinds.split(","):
+                continue
             res[kind] = part_regime(kind, speeds, args.jobs, (True,), pols)
             save("workloads_regime", res)
     if "paas" in parts:
@@ -319,10 +325,10 @@ def main() -> int:
             P.capacity_curve(plots / "sched_capacity_curve.png", xs, cap["ttft_mean_ms"])
     if "goodput" in parts:
         pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject", "kv-centric")
-        save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs, lo=0.5, steps=3))
+        save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs, **gp))
     if "goodput-local" in parts:  # the capacity-constrained regime: no reads of another node's cache
         pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject")
-        save("goodput_local", part_goodput("conversation", pols, regime_spec(False), args.jobs, lo=0.5, steps=3))
+        save("goodput_local", part_goodput("conversation", pols, regime_spec(False), args.jobs, **gp))
     if "goodput80" in parts:  # the 90% curve is flat (see docs): the same search at 80% attainment
         pols80 = ("least-loaded", "dynamo", "kv-centric-noreject")
         save("goodput_80", part_goodput("conversation", pols80, regime_spec(True), args.jobs, 0.8, 0.85, 2.0, 3))
