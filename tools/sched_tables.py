@@ -81,13 +81,16 @@ def main() -> int:
     for key in ("regime_local", "regime_peers"):
         if key in rep:
             print(f"### {key}\n\n{regime(rep[key])}")
-    for kind, res in rep.get("workloads_regime", {}).items():
-        print(f"### workload {kind}\n\n{regime(res, f'{kind}, ')}")
+    for key in ("workloads_regime", "workloads_local"):
+        for kind, res in rep.get(key, {}).items():
+            print(f"### workload {kind}\n\n{regime(res, f'{kind}, ')}")
     for key, res in rep.get("paas", {}).items():
         if isinstance(res, list):
             print(f"#### {key}\n\n{table(res)}\n")
     if "goodput" in rep:
         print(f"### goodput\n\n{goodput(rep['goodput'], '90%')}\n")
+    if "goodput_local" in rep:
+        print(f"### goodput local-only\n\n{goodput(rep['goodput_local'], '90%')}\n")
     if "goodput_80" in rep:
         print(f"### goodput 80\n\n{goodput(rep['goodput_80'], '80%')}\n")
     if "capacity" in rep:
