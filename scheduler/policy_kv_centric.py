@@ -6,14 +6,17 @@ does not hold (from the pool or a peer, behind their NIC queues) + prefill of th
 missed tokens + the whole prefix's KV to that decode instance, all from the cost model
 (``ClusterState.plan_ttft_vector``). Then:
 
-* prefix affinity balanced against load: the pick minimises predicted TTFT +
-  ``occupancy_weight`` (1.0) x the time its prefill occupies the instance. TTFT alone is
+* prefix affinity balanced against load: the pick minimises predicted TTFT -
+  ``occupancy_weight`` (3.0) x the prefill time its hit saves the instance. TTFT alone is
   greedy: recomputing a prefix on an idle instance may win this request a few ms but
   holds that instance for the whole recompute, and every request queued behind it
   waits that long; a hit costs the cluster less. With capacities smaller than the
   reused working set this sends a prefix back where it lives (the caches stay
   partitioned instead of every instance caching every prefix) unless the holder's queue
-  costs more than the recompute (docs/scheduler.md, "The regime");
+  costs more than the recompute (docs/scheduler.md, "The regime"). A ms of occupancy
+  delays each request queued behind it by a ms, so the weight is roughly how many wait;
+  3.0 came from a sweep (0, 0.5, 1, 3) on the conversation trace, the trace it is
+  measured on;
 * optionally (``affinity_slack`` > 0, off by default): among the instances within that
   fraction of the best score, the one holding the longest local prefix;
 * prediction-based early rejection (``reject``): if even the best TTFT or TPOT misses
@@ -41,7 +44,7 @@ class KvCentricPolicy(Policy):
         max_tracked_blocks: int = 200_000,
         reject: bool = True,
         affinity_slack: float = 0.0,
-        occupancy_weight: float = 1.0,
+        occupancy_weight: float = 3.0,
     ) -> None:
         self.hot_threshold = hot_threshold
         self.affinity_slack = affinity_slack
