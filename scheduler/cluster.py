@@ -23,6 +23,8 @@ from kvpool.scheduler.cost_model import CostModel, transfer_ms
 from kvpool.scheduler.index import LocationIndex
 
 PrefillKind = Literal["instance", "decode_local", "remote"]
+#: ``plan_ttft_vector`` prices up to this many prefix holders one by one, more all at once.
+_SPARSE_HOLDERS = 8
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ class ClusterState:
         self.prefill_slice = slice(0, spec.num_prefill)  # views of the per-member arrays, for hot paths
         self.decode_slice = slice(spec.num_prefill, spec.num_prefill + spec.num_decode)
         self._local_mask = (1 << (spec.num_prefill + spec.num_decode)) - 1
+        self._ids = np.arange(n)
 
     def queue_ms(self, member: int) -> float:
         return max(0.0, float(self.busy_until_ms[member]) - self.now_ms)
@@ -241,7 +244,7 @@ class ClusterState:
         local_n = spec.num_prefill + spec.num_decode
         peer, peer_len = -1, 0
         if spec.peer_fetch and local_n:
-            peer = int(np.argmax(lens[:local_n]))
+            peer = int(lens[:local_n].argmax())
             peer_len = int(lens[peer])
         if pool_len > 0 and pool_len >= peer_len:
             return spec.pool_member, pool_len
@@ -367,8 +370,74 @@ class ClusterState:
         Returns (ttft_ms, hit_blocks) per member in ``members`` (an index array, or a slice such as
         ``prefill_slice``: a view, cheaper on the router's hot path); the same arithmetic,
         fetch-vs-recompute included, so a prediction and ``plan_prefill`` agree (a unit test checks
-        it). Written with few numpy calls: each costs ~1 us on 64 instances, the budget is 50 us.
+        it). Written for the 50 us decision budget at 64 instances: a request's prefix usually lives
+        on a few members, so every member is first priced as holding nothing locally (one short
+        chain of numpy calls, each ~1 us, shared by all of them), then the few holders are priced
+        exactly in scalar arithmetic; with many holders, the dense form prices all at once.
         """
+        local_all = lens[members]
+        holders = local_all.nonzero()[0]
+        if holders.size > _SPARSE_HOLDERS:
+            return self._plan_ttft_dense(req, members, lens, decode_member)
+        spec, cost, now = self.spec, self.role_cost["prefill"], self.now_ms
+        n_blocks = len(req.hashes)
+        inp = req.input_tokens
+        bt = spec.block_tokens
+        a, half_b = cost.prefill_ms_per_token, 0.5 * cost.prefill_ms_per_token_pair
+        k = cost.prefill_base_ms + inp * (a + half_b * inp)  # prefill_ms(inp - c, c) = k - c * (a + half_b * c)
+        busy = self.busy_until_ms[members]
+        start_q = np.maximum(busy, now)
+        done = start_q + k  # nothing cached: the whole prompt computed
+        hit = np.zeros(local_all.shape[0], dtype=np.int64)
+        src, src_len = self._fetch_source(lens)
+        reach = min(src_len, n_blocks)
+        contention = spec.nic_contention
+        per_block_ms = self.block_bytes * 1000.0 / spec.pool_bandwidth_bytes_per_s
+        floor = now
+        if contention and src >= 0 and src != spec.pool_member:
+            floor = max(now, float(self.nic_out_busy_until_ms[src]))
+        c1 = min(reach * bt, inp - 1)
+        k1 = k - c1 * (half_b * c1 + a)
+        if src >= 0 and reach > 0:
+            begin = np.maximum(self.nic_in_busy_until_ms[members], floor) if contention else floor
+            done1 = np.maximum(start_q, begin + (spec.link_latency_ms + reach * per_block_ms)) + k1
+            take = done1 < done
+            done = np.where(take, done1, done)
+            hit = np.where(take, reach, 0)
+        dec_has = req.cached_tokens(min(int(lens[decode_member]), n_blocks), bt)
+        to_bytes = (inp - dec_has) * cost.kv_bytes_per_token
+        move = float(transfer_ms(to_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
+        floor_dec = now
+        if contention:
+            floor_dec = max(now, float(self.nic_in_busy_until_ms[decode_member]))
+            out_busy = self.nic_out_busy_until_ms[members]
+            send = np.maximum(np.maximum(done, out_busy), floor_dec)
+        else:
+            send = done
+        ttft = send + (move - now)
+        if holders.size:
+            ids = self._ids[members]
+            for j in holders.tolist():
+                m = int(ids[j])
+                local = min(int(local_all[j]), n_blocks)
+                sq = max(float(busy[j]), now)
+                c0 = min(local * bt, inp - 1)
+                d, h = sq + (k - c0 * (half_b * c0 + a)), local
+                if src >= 0 and reach > local:
+                    beg = max(float(self.nic_in_busy_until_ms[m]), floor) if contention else floor
+                    d1 = max(sq, beg + (spec.link_latency_ms + (reach - local) * per_block_ms)) + k1
+                    if d1 < d:
+                        d, h = d1, reach
+                if contention:
+                    d = max(d, float(self.nic_out_busy_until_ms[m]), floor_dec)
+                ttft[j] = d + (move - now)
+                hit[j] = h
+        return ttft, hit
+
+    def _plan_ttft_dense(
+        self, req: RouteRequest, members: np.ndarray | slice, lens: np.ndarray, decode_member: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``plan_ttft_vector`` with every member priced by the same numpy arithmetic (many holders)."""
         spec, cost, now = self.spec, self.role_cost["prefill"], self.now_ms
         n_blocks = len(req.hashes)
         inp = req.input_tokens

@@ -80,10 +80,17 @@ class LocationIndex:
         """
         n = len(hashes)
         out = np.zeros(self.num_members, dtype=np.int64)
-        alive = self.all_mask if members_mask is None else members_mask
+        if not n:
+            return out, 0
         loc = self._loc
-        for i, h in enumerate(hashes):
-            m = loc.get(h, 0)
+        # the first block: the members that lack it keep the default 0, so only the holders
+        # are tracked from here on (a 64-instance cluster usually holds a block on a few)
+        first = loc.get(hashes[0], 0)
+        alive = first if members_mask is None else first & members_mask
+        if not alive:
+            return out, self._union(hashes) if first else 0
+        for i in range(1, n):
+            m = loc.get(hashes[i], 0)
             if not m:
                 _set_bits(out, alive, i)
                 return out, i
@@ -91,8 +98,18 @@ class LocationIndex:
             if dropped:
                 _set_bits(out, dropped, i)
                 alive &= m
+                if not alive:
+                    return out, self._union(hashes, i + 1)
         _set_bits(out, alive, n)
         return out, n
+
+    def _union(self, hashes: Sequence[bytes], start: int = 1) -> int:
+        """Longest prefix held by any member, given that its first ``start`` blocks are."""
+        loc = self._loc
+        for i in range(start, len(hashes)):
+            if not loc.get(hashes[i], 0):
+                return i
+        return len(hashes)
 
 
 def _set_bits(out: np.ndarray, mask: int, value: int) -> None:

@@ -6,11 +6,19 @@ does not hold (from the pool or a peer, behind their NIC queues) + prefill of th
 missed tokens + the whole prefix's KV to that decode instance, all from the cost model
 (``ClusterState.plan_ttft_vector``). Then:
 
-* prefix affinity balanced against load: among the instances within ``affinity_slack``
-  (10%) of the best predicted TTFT, take the one holding the longest local prefix, so a
-  prefix stays where it lives instead of being copied into -- and evicting other
-  prefixes from -- another instance's cache; with capacities smaller than the reused
-  working set this keeps the caches partitioned (docs/scheduler.md, "The regime");
+* prefix affinity balanced against load: the pick minimises predicted TTFT -
+  ``occupancy_weight`` (3.0) x the prefill time its hit saves the instance. TTFT alone is
+  greedy: recomputing a prefix on an idle instance may win this request a few ms but
+  holds that instance for the whole recompute, and every request queued behind it
+  waits that long; a hit costs the cluster less. With capacities smaller than the
+  reused working set this sends a prefix back where it lives (the caches stay
+  partitioned instead of every instance caching every prefix) unless the holder's queue
+  costs more than the recompute (docs/scheduler.md, "The regime"). A ms of occupancy
+  delays each request queued behind it by a ms, so the weight is roughly how many wait;
+  3.0 came from a sweep (0, 0.5, 1, 3) on the conversation trace, the trace it is
+  measured on;
+* optionally (``affinity_slack`` > 0, off by default): among the instances within that
+  fraction of the best score, the one holding the longest local prefix;
 * prediction-based early rejection (``reject``): if even the best TTFT or TPOT misses
   the request's SLO, reject now rather than waste prefill on a request that would fail
   (reported apart: rejected requests and their input tokens);
@@ -23,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.scheduler.cluster import ClusterState, Decision, RouteRequest
+from kvpool.scheduler.cost_model import CostModel
 from kvpool.scheduler.policy_base import Policy, prefill_candidates
 
 
@@ -34,10 +43,12 @@ class KvCentricPolicy(Policy):
         hot_threshold: int = 4,
         max_tracked_blocks: int = 200_000,
         reject: bool = True,
-        affinity_slack: float = 0.1,
+        affinity_slack: float = 0.0,
+        occupancy_weight: float = 3.0,
     ) -> None:
         self.hot_threshold = hot_threshold
         self.affinity_slack = affinity_slack
+        self.occupancy_weight = occupancy_weight
         self.max_tracked_blocks = max_tracked_blocks
         self.reject = reject
         self._hits: dict[bytes, int] = {}  # insertion-ordered: the oldest-seen counts go first
@@ -47,20 +58,20 @@ class KvCentricPolicy(Policy):
         lens = state.prefix_lengths(req.hashes)
         if kind == "instance":
             tpot = state.predicted_tpot_ms(req, state.decode_slice)
-            j = int(np.argmin(tpot))
+            j = int(tpot.argmin())
             d, best_tpot = int(state.decode_arr[j]), float(tpot[j])
             ttft, reach = state.plan_ttft_vector(req, state.prefill_slice, lens, d)
         else:  # no prefill instances: prefill on the decode node that would also decode
             plans = [state.plan_prefill(req, int(m), lens, int(m)) for m in cands]
             ttft = np.array([pl.ttft_ms for pl in plans])
             reach = np.array([pl.hit_blocks for pl in plans])
-        i = int(np.argmin(ttft))
+        score = ttft
+        if self.occupancy_weight > 0:
+            role = "prefill" if kind == "instance" else "decode"
+            score = ttft - self.occupancy_weight * self._saved_ms(req, state.role_cost[role], state, reach)
+        i = int(score.argmin())
         if self.affinity_slack > 0:
-            # keep a prefix where it already lives when that costs little now: a duplicate on
-            # another instance would evict other prefixes there (the caches stay partitioned)
-            # the longest local prefix within the slack, ties to the lower TTFT (TTFTs are < 1e12 ms)
-            key = np.where(ttft <= ttft[i] * (1.0 + self.affinity_slack), lens[cands] * 1e12 - ttft, -np.inf)
-            i = int(np.argmax(key))
+            i = self._affinity(i, score, lens[cands])
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
         if kind != "instance":
             d, best_tpot = p, float(state.predicted_tpot_ms(req, np.array([p]))[0])
@@ -74,6 +85,30 @@ class KvCentricPolicy(Policy):
             )
         hot = self._count_hits(req.hashes[:hit])
         return Decision(kind, p, d, hit, best_ttft, best_tpot, False, f"kv-centric: ttft {best_ttft:.0f} ms", hot)
+
+    @staticmethod
+    def _saved_ms(req: RouteRequest, cost: CostModel, state: ClusterState, hit_blocks: np.ndarray) -> np.ndarray:
+        """Prefill time ``hit_blocks`` cached blocks save on each candidate (``prefill_ms(inp, 0) -
+        prefill_ms(inp - c, c)`` = c * (a + b/2 * c), inlined): the occupancy a hit spares the
+        instance, i.e. the wait it spares every request queued behind this one there."""
+        cached = np.minimum(hit_blocks * state.spec.block_tokens, req.input_tokens - 1)
+        return cached * (0.5 * cost.prefill_ms_per_token_pair * cached + cost.prefill_ms_per_token)
+
+    def _affinity(self, i: int, ttft: np.ndarray, local: np.ndarray) -> int:
+        """Keep a prefix where it already lives when that costs little now: among the candidates
+        within ``affinity_slack`` of the best TTFT (``i``), the longest local prefix, ties to the lower
+        TTFT -- a duplicate on another instance would evict other prefixes there, so the caches stay
+        partitioned. Only holders (local > 0) can beat ``i``; they are usually a few."""
+        holders = local.nonzero()[0]
+        if not holders.size:
+            return i
+        limit = float(ttft[i]) * (1.0 + self.affinity_slack)
+        best, best_len, best_ttft = i, int(local[i]), float(ttft[i])
+        for j in holders.tolist():
+            t, n = float(ttft[j]), int(local[j])
+            if t <= limit and (n > best_len or (n == best_len and t < best_ttft)):
+                best, best_len, best_ttft = j, n, t
+        return best
 
     def _count_hits(self, hashes: tuple[bytes, ...] | list[bytes]) -> tuple[bytes, ...]:
         hits = self._hits

@@ -46,7 +46,7 @@ from kvpool.scheduler.index import LruCache, PolicyCache, TieredCache, make_cach
 from kvpool.scheduler.policy_base import Policy
 from kvpool.scheduler.trace import TraceHasher, TraceRequest
 
-_INSERT, _PREFILL_DONE, _DECODE_JOIN, _DECODE_DONE, _PREFILL_START = 0, 1, 2, 3, 4
+_INSERT, _PREFILL_DONE, _DECODE_JOIN, _DECODE_DONE, _PREFILL_START, _SEND = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -59,6 +59,7 @@ class RequestOutcome:
     tpot_ms: np.ndarray = field(init=False)
     finish_ms: np.ndarray = field(init=False)
     prefill_start_ms: np.ndarray = field(init=False)
+    send_start_ms: np.ndarray = field(init=False)  # the KV transfer to the decode node began (NaN: none)
     rejected: np.ndarray = field(init=False)
     blocks: np.ndarray = field(init=False)
     hit_local: np.ndarray = field(init=False)
@@ -80,6 +81,7 @@ class RequestOutcome:
             "tpot_ms",
             "finish_ms",
             "prefill_start_ms",
+            "send_start_ms",
             "bytes_moved",
             "max_pause_ms",
         ):
@@ -168,6 +170,8 @@ class Simulator:
                     a[0] += stall
                     a[4] = max(a[4], pause)
                 self._window[d] = (t, end, stall)
+            elif kind == _SEND:
+                self._send(t, payload)
             elif kind == _DECODE_JOIN:
                 d, idx = payload
                 self._waiting[d].append(idx)
@@ -182,6 +186,39 @@ class Simulator:
         if now != float("inf"):
             self.last_time_ms = now
             self.state.now_ms = now
+
+    def _push_pool_write(self, writer_ms: float, put_bytes: int, hashes: Sequence[bytes]) -> None:
+        spec = self.spec
+        arrive = writer_ms + float(transfer_ms(put_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
+        self._push(arrive, _INSERT, ((spec.pool_member,), hashes))
+
+    def _send(self, t: float, payload: tuple[Any, ...]) -> None:
+        """A prefill finished at ``t``: its KV crosses to the decode node when the sender's egress and
+        the receiver's ingress are free (or the remote link is), then the request joins the batch.
+
+        A NIC is taken only from the moment a transfer is ready: reserving it at decision time until
+        the (seconds later) end of the transfer would block the earlier, idle part for every other
+        transfer (a 10 s prefill held its decode node's ingress for 10 s)."""
+        i, m, dm, to_bytes, remote, put_bytes, hashes = payload
+        state, spec = self.state, self.spec
+        start = first = t
+        if remote:
+            start = max(t, state.link_busy_until_ms)
+            first = start + float(
+                transfer_ms(to_bytes, spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms)
+            )
+            state.link_busy_until_ms = first
+            if spec.pool_blocks != 0:
+                self._push_pool_write(first, put_bytes, hashes)
+        elif to_bytes:
+            if spec.nic_contention:
+                start = max(t, float(state.nic_out_busy_until_ms[m]), float(state.nic_in_busy_until_ms[dm]))
+            first = start + float(transfer_ms(to_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
+            state.nic_out_busy_until_ms[m] = max(state.nic_out_busy_until_ms[m], first)
+            state.nic_in_busy_until_ms[dm] = max(state.nic_in_busy_until_ms[dm], first)
+        self.out.send_start_ms[i] = start
+        self._push(first, _INSERT, ((dm,), hashes))  # the decode node holds the KV once it arrives
+        self._push(first, _DECODE_JOIN, (dm, i))
 
     def _admit(self, d: int, t: float) -> None:
         """Start waiting requests on decode node ``d`` (FIFO) while KV room and batch slots allow."""
@@ -329,27 +366,24 @@ class Simulator:
         self._push(done, _PREFILL_DONE, (m, plan.new_tokens))
         self._push(done, _INSERT, ((m,), req.hashes))  # computed or fetched: on the prefill member now
         kind = d.prefill_kind
-        if kind == "remote":
-            state.link_busy_until_ms = first
-        elif plan.to_decode_bytes:
-            state.nic_out_busy_until_ms[m] = max(state.nic_out_busy_until_ms[m], first)
-            state.nic_in_busy_until_ms[dm] = max(state.nic_in_busy_until_ms[dm], first)
-        if kind == "decode_local":
-            pieces = -(-plan.new_tokens // spec.chunk_tokens) if spec.decode_prefill_mode == "chunked" else 1
-            self._push(plan.prefill_start_ms, _PREFILL_START, (dm, done, plan.stall_ms, plan.stall_ms / pieces))
-        else:
-            self._push(first, _INSERT, ((dm,), req.hashes))  # the decode node holds the KV once it arrives
+        put_bytes = 0
         if spec.pool_blocks != 0:
             # new blocks are written to the pool after the prefill (from the decode node after a remote
             # prefill: the pool is local); they are in the pool once their bytes are
-            writer_ms = first if kind == "remote" else done
             missing = sum(1 for h in req.hashes if h not in self.pool)  # write-through: the pool gets the prefix
             self.replicated_blocks += sum(1 for h in d.replicate_hashes if h not in self.pool)
             put_bytes = missing * bb
-            arrive = writer_ms + float(transfer_ms(put_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
             moved += put_bytes
-            self._push(arrive, _INSERT, ((spec.pool_member,), req.hashes))
-        self._push(first, _DECODE_JOIN, (dm, i))
+            if kind != "remote":
+                self._push_pool_write(done, put_bytes, req.hashes)
+        if kind == "decode_local":
+            pieces = -(-plan.new_tokens // spec.chunk_tokens) if spec.decode_prefill_mode == "chunked" else 1
+            self._push(plan.prefill_start_ms, _PREFILL_START, (dm, done, plan.stall_ms, plan.stall_ms / pieces))
+            self._push(first, _DECODE_JOIN, (dm, i))
+        else:
+            # the KV goes to the decode node once the prefill is done: its NICs (or the remote link) are
+            # taken then, in the order transfers become ready, not reserved from now on
+            self._push(done, _SEND, (i, m, dm, plan.to_decode_bytes, kind == "remote", put_bytes, req.hashes))
         out.prefill_start_ms[i] = plan.prefill_start_ms
         out.hit_local[i] = plan.local_blocks
         out.hit_pool[i] = plan.pool_blocks

@@ -1,7 +1,7 @@
 """Scheduler benchmarks (issue scheduler2), every figure beside its baseline from the same run.
 
     .venv/bin/python tools/bench_sched.py [--trace ../shared/data/conversation_trace.jsonl]
-        [--out out/bench_sched.json] [--plots docs/img] [--jobs 2] [--skip PARTS]
+        [--out out/bench_sched.json] [--plots docs/img] [--jobs 2] [--parts PARTS] [--kinds KINDS]
 
 Clusters come from node presets (``kvpool.scheduler.hardware``): HBM left for KV after
 weights and activations, 1 TB host DRAM per node, NIC / PCIe bandwidths per hop.
@@ -11,9 +11,11 @@ weights and activations, 1 TB host DRAM per node, NIC / PCIe bandwidths per hop.
    1.5x its rate, local caches only and with peer reads (per-node DRAM pools over RDMA);
    targets: kv-centric (no rejection) mean TTFT >= 25% below least-loaded and >= 10% below
    the best other policy, goodput at least equal;
-2. goodput (highest rate with >= 90% of all requests inside both SLOs) of those policies;
+2. goodput (highest rate with >= 90% of all requests inside both SLOs) of those policies,
+   with peer reads (``goodput``) and local-only (``goodput-local``);
 3. capacity curve: mean TTFT against the global pool's capacity (0 .. unbounded);
-4. generated workloads (agent, docqa, chat): the regime table on each;
+4. generated workloads (agent, docqa, chat): the regime table on each, peers on
+   (``workloads``), and docqa local-only (``workloads-local``);
 5. decision time with 64 instances and 1M indexed blocks (target p99 <= 50 us);
 6. Prefill-as-a-Service on heterogeneous hardware (``paas``).
 
@@ -61,6 +63,8 @@ WORKLOAD_RUNS: tuple[tuple[str, list[float], tuple[str, ...]], ...] = (
     ("docqa", [1.0, 2.0], NOREJECT),
     ("chat", [1.0, 2.0], NOREJECT),
 )
+#: the generated workload whose documents outgrow a node, in the capacity-constrained regime (local-only)
+WORKLOAD_LOCAL_RUNS: tuple[tuple[str, list[float], tuple[str, ...]], ...] = (("docqa", [2.0, 3.0], NOREJECT),)
 
 
 def log(msg: str) -> None:
@@ -251,10 +255,14 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="replays run in parallel (default 2)")
     ap.add_argument(
         "--parts",
-        default="regime-local,regime-peers,workloads,paas,capacity,goodput,goodput80,decision",
-        help="comma list of parts to run (default: all); results accumulate in --out",
+        default="regime-local,regime-peers,workloads,workloads-local,goodput,goodput-local,capacity,paas,decision",
+        help="comma list of parts to run (default: all but goodput80); results accumulate in --out",
     )
+    ap.add_argument("--kinds", default="agent,docqa,chat", help="generated workloads of part workloads")
+    ap.add_argument("--goodput-lo", type=float, default=0.5, help="first goodput probe (x the trace's rate)")
+    ap.add_argument("--goodput-steps", type=int, default=3, help="bisections after the bracket")
     args = ap.parse_args()
+    gp = {"lo": args.goodput_lo, "steps": args.goodput_steps}
     WORKLOADS["conversation"] = Workload.of(load_trace(args.trace))
     for kind in ("agent", "docqa", "chat"):
         WORKLOADS[kind] = Workload.of(generate(workload_spec(kind)))
@@ -296,8 +304,15 @@ def main() -> int:
     if "workloads" in parts:
         res = {}
         for kind, speeds, pols in WORKLOAD_RUNS:
+            if kind not in args.kinds.split(","):
+                continue
             res[kind] = part_regime(kind, speeds, args.jobs, (True,), pols)
             save("workloads_regime", res)
+    if "workloads-local" in parts:
+        res = {}
+        for kind, speeds, pols in WORKLOAD_LOCAL_RUNS:
+            res[kind] = part_regime(kind, speeds, args.jobs, (False,), pols)
+            save("workloads_local", res)
     if "paas" in parts:
         from paas_bench import part_paas
 
@@ -309,7 +324,10 @@ def main() -> int:
             sim_capacity.plot(plots / "sched_capacity_curve.png", cap)
     if "goodput" in parts:
         pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject", "kv-centric")
-        save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs))
+        save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs, **gp))
+    if "goodput-local" in parts:  # the capacity-constrained regime: no reads of another node's cache
+        pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject")
+        save("goodput_local", part_goodput("conversation", pols, regime_spec(False), args.jobs, **gp))
     if "goodput80" in parts:  # the 90% curve is flat (see docs): the same search at 80% attainment
         pols80 = ("least-loaded", "dynamo", "kv-centric-noreject")
         save("goodput_80", part_goodput("conversation", pols80, regime_spec(True), args.jobs, 0.8, 0.85, 2.0, 3))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvpool.scheduler.cluster import ClusterSpec, Slo
 from kvpool.scheduler.cost_model import get_preset
 from kvpool.scheduler.policies import make_policy, policy_names
+from kvpool.scheduler.policy_kv_centric import KvCentricPolicy
 from kvpool.scheduler.runner import Workload, run_policy
 from kvpool.scheduler.simulator import Simulator
 from kvpool.scheduler.trace import TraceRequest
@@ -143,3 +144,25 @@ def test_an_empty_cluster_without_caches_hits_nothing(
     s, out = run_policy(Workload.of(trace), spec, COST, policy, Slo(5_000, 100))
     assert s.hit_rate == 0.0
     assert int((out.hit_local + out.hit_pool + out.hit_peer).sum()) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e5, allow_nan=False), min_size=1, max_size=12),
+    st.lists(st.integers(0, 20), min_size=12, max_size=12),
+    st.floats(0.0, 1.0),
+)
+def test_kv_centric_affinity_keeps_the_longest_prefix_within_the_slack(
+    ttfts: list[float], locals_: list[int], slack: float
+) -> None:
+    """The pick is within ``slack`` of the best TTFT, and no candidate within it holds a longer prefix
+    (nor the same prefix with a lower TTFT)."""
+    ttft = np.array(ttfts)
+    local = np.array(locals_[: len(ttfts)], dtype=np.int64)
+    i = int(np.argmin(ttft))
+    j = KvCentricPolicy(affinity_slack=slack)._affinity(i, ttft, local)
+    limit = ttft[i] * (1.0 + slack)
+    assert ttft[j] <= limit
+    within = ttft <= limit
+    assert local[j] == local[within].max()
+    assert ttft[j] == ttft[within & (local == local[j])].min()

@@ -94,6 +94,33 @@ def test_the_decode_node_receives_the_whole_prefix_minus_what_it_holds() -> None
     assert p1.to_decode_bytes == 7 * 512 * COST.kv_bytes_per_token
 
 
+def test_a_transfer_takes_the_decode_nic_only_once_its_prefill_is_done() -> None:
+    """A long prefill's KV transfer must not hold the decode node's ingress during its prefill:
+    a short request decided after it, ready first, crosses first (the NIC is FIFO in ready order)."""
+    spec = ClusterSpec(num_prefill=2, num_decode=1, hbm_blocks=0, dram_blocks=0, pool_blocks=0, peer_fetch=False)
+    long_req = req(0, 0.0, tuple(range(60)))  # ~30K tokens: seconds of prefill
+    short = req(1, 1.0, (1000, 1001))
+    sim = replay(spec, [long_req, short], [("instance", 0, 2), ("instance", 1, 2)])
+    bytes_per_token = COST.kv_bytes_per_token
+    short_tx = float(transfer_ms(short.input_tokens * bytes_per_token, 100e9, 0.05))
+    short_done = 1.0 + COST.prefill_ms(short.input_tokens, 0)
+    assert abs(sim.out.ttft_ms[1] - (short_done + short_tx - 1.0)) < 1e-6
+    assert abs(sim.out.send_start_ms[1] - short_done) < 1e-6
+    long_done = COST.prefill_ms(long_req.input_tokens, 0)
+    long_tx = float(transfer_ms(long_req.input_tokens * bytes_per_token, 100e9, 0.05))
+    assert abs(sim.out.ttft_ms[0] - (long_done + long_tx)) < 1e-6  # the short one's transfer was long over
+
+
+def test_transfers_ready_together_queue_on_the_decode_nic() -> None:
+    """Two prefills done at the same time on two nodes: the second transfer waits for the first."""
+    spec = ClusterSpec(num_prefill=2, num_decode=1, hbm_blocks=0, dram_blocks=0, pool_blocks=0, peer_fetch=False)
+    a, b = req(0, 0.0, tuple(range(8))), req(1, 0.0, tuple(range(100, 108)))
+    sim = replay(spec, [a, b], [("instance", 0, 2), ("instance", 1, 2)])
+    done = COST.prefill_ms(a.input_tokens, 0)
+    tx = float(transfer_ms(a.input_tokens * COST.kv_bytes_per_token, 100e9, 0.05))
+    assert sorted(sim.out.ttft_ms.tolist()) == [done + tx, done + 2 * tx]
+
+
 def test_a_block_is_in_the_pool_only_once_its_write_has_arrived() -> None:
     spec = ClusterSpec(num_prefill=2, num_decode=1, hbm_blocks=0, dram_blocks=0, pool_blocks=1000, peer_fetch=False)
     ids = tuple(range(40))
@@ -106,9 +133,10 @@ def test_a_block_is_in_the_pool_only_once_its_write_has_arrived() -> None:
 
 def test_the_vectorised_prediction_equals_the_scalar_plan() -> None:
     rng = np.random.default_rng(3)
-    for trial in range(200):
+    for trial in range(300):
+        sparse = trial % 3 == 0  # few holders among many members: the per-holder scalar path
         spec = ClusterSpec(
-            num_prefill=4,
+            num_prefill=24 if sparse else 4,
             num_decode=2,
             pool_blocks=[0, 100][trial % 2],
             peer_fetch=bool(trial % 3),
@@ -118,7 +146,8 @@ def test_the_vectorised_prediction_equals_the_scalar_plan() -> None:
         st.now_ms = 1000.0
         hashes = [rng.bytes(16) for _ in range(int(rng.integers(1, 30)))]
         for m in range(spec.num_instances + 1):
-            st.index.add_many(hashes[: int(rng.integers(0, len(hashes) + 1))], m)
+            if not sparse or rng.random() < 0.15:
+                st.index.add_many(hashes[: int(rng.integers(0, len(hashes) + 1))], m)
         st.busy_until_ms[:] = rng.uniform(0, 8000, spec.num_instances)
         st.nic_in_busy_until_ms[:] = rng.uniform(0, 5000, spec.num_instances + 1)
         st.nic_out_busy_until_ms[:] = rng.uniform(0, 5000, spec.num_instances + 1)

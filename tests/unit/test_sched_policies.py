@@ -9,6 +9,7 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.scheduler.cluster import ClusterSpec, ClusterState, RouteRequest, Slo
 from kvpool.scheduler.cost_model import get_preset
 from kvpool.scheduler.policies import make_policy, policy_names
+from kvpool.scheduler.policy_kv_centric import KvCentricPolicy
 from kvpool.scheduler.policy_remote_prefill import RemotePrefillPolicy
 
 COST = get_preset("llama3-70b-a800x8")
@@ -77,6 +78,21 @@ def test_kv_centric_trades_cache_against_queue() -> None:
     assert d.expected_ttft_ms < 60_000
     st.busy_until_ms[0] = 0  # now the full holder is idle: it wins
     assert make_policy("kv-centric").decide(req(hs, Slo(100_000, 200)), st).prefill_member == 0
+
+
+def test_kv_centric_charges_a_recompute_for_the_instance_time_it_takes() -> None:
+    """A holder whose queue costs this request more than an idle recompute, but less than the
+    recompute's occupancy on top of it, keeps the request (TTFT alone would move it)."""
+    st = ClusterState(ClusterSpec(num_prefill=2, num_decode=1, pool_blocks=0, peer_fetch=False), COST)
+    hs = hashes("o", 20)
+    st.index.add_many(hs, 0)
+    r = req(hs, Slo(1e9, 1e9))
+    saved_ms = COST.prefill_ms(r.input_tokens, 0) - COST.prefill_ms(1, r.input_tokens - 1)
+    st.busy_until_ms[0] = 1.5 * saved_ms  # TTFT on 0 is ~0.5x saved_ms worse than recomputing on 1
+    assert KvCentricPolicy(occupancy_weight=0.0).decide(r, st).prefill_member == 1
+    assert KvCentricPolicy(occupancy_weight=1.0).decide(r, st).prefill_member == 0
+    st.busy_until_ms[0] = 2.5 * saved_ms  # now the wait costs more than the recompute's occupancy
+    assert KvCentricPolicy(occupancy_weight=1.0).decide(r, st).prefill_member == 1
 
 
 def test_kv_centric_counts_pool_hits_anywhere() -> None:
