@@ -46,6 +46,7 @@ def no_thread_left() -> Iterator[None]:
     """Every thread a test starts (by whatever name) is gone when it ends: compared by object
     against the threads alive before it, so other tests' threads do not count."""
     before = set(threading.enumerate())
+    _BEFORE_TEST[:] = before
     yield
     new = [t for t in threading.enumerate() if t not in before]
     for t in new:
@@ -54,8 +55,13 @@ def no_thread_left() -> Iterator[None]:
     assert left == [], f"threads still alive after their owners stopped: {left}"
 
 
+_BEFORE_TEST: list[threading.Thread] = []  # the threads alive when the running test began
+
+
 def alive(*names: str) -> set[str]:
-    return {t.name for t in threading.enumerate()} & set(names)
+    """Which of ``names`` a thread started by this test still has (threads that earlier tests
+    left running, e.g. another connector's saver of the same name, do not count)."""
+    return {t.name for t in threading.enumerate() if t not in _BEFORE_TEST} & set(names)
 
 
 def router_core(policy: object | None = None, decode: int = 1) -> RouterCore:
@@ -123,6 +129,7 @@ def test_the_metrics_server_runs_on_the_supervisors_thread_only() -> None:
 def test_the_vllm_background_saver_is_joined_by_stop() -> None:
     pool = InProcessPool(SPEC)
     saver = BackgroundSaver(pool, 1 << 20, ConnectorStats())
+    assert alive("kvpool-vllm-saver") == {"kvpool-vllm-saver"}
     hashes = pool.hashes(list(range(16)))
     assert saver.submit(hashes, torch.zeros((1, *SPEC.block_shape), dtype=torch.float16))
     saver.stop()
