@@ -206,7 +206,7 @@ class ClusterClient:
             made = cls(
                 link,
                 namespace,
-                make_transport(transport, timeout_s, token=token),
+                make_transport(transport, timeout_s),
                 local_client,
                 host,
                 replicate_after,

@@ -70,19 +70,20 @@ def _make_data_server(kind: str, store: BlockStore, listen: str, credentials: Cr
     return TcpDataServer(store, listen, credentials=credentials)
 
 
-def make_transport(kind: str, timeout_s: float = 10.0, token: str = "") -> Transport:
-    """``token``: proved (never sent) on every new connection to a node with credentials."""
+def make_transport(kind: str, timeout_s: float = 10.0) -> Transport:
+    """A reader of ``kind``. A node with credentials admits its connections with a ticket its
+    control plane issued (``Transport.use_tickets``), never with the token itself."""
     _check_kind(kind)
     if kind == "nixl":
         from kvpool.transport.nixl import NixlTransport, require_nixl
 
         require_nixl()
-        return NixlTransport(timeout_s=timeout_s, token=token)
+        return NixlTransport(timeout_s=timeout_s)
     if kind == "ucx":
         why = ucx_available()
         if not why:
             from kvpool.transport.ucx import UcxTransport
 
-            return UcxTransport(timeout_s=timeout_s, token=token)
+            return UcxTransport(timeout_s=timeout_s)
         log.warning("ucx data plane unavailable (%s): using tcp", why)
-    return TcpTransport(timeout_s=timeout_s, token=token)
+    return TcpTransport(timeout_s=timeout_s)

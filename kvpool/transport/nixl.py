@@ -212,10 +212,10 @@ class NixlTransport(TcpTransport):
     name = "nixl"
     read_op = wire.OP_NIXL_READ
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "", direct: bool | None = None) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None) -> None:
         """``direct``: READ straight into the caller's rows (see the module docstring); None =
         where the host has no RDMA devices."""
-        super().__init__(timeout_s, token)  # AUTH runs on the TCP connection before NIXL_HELLO
+        super().__init__(timeout_s)  # AUTH runs on the TCP connection before NIXL_HELLO
         self.direct = not has_rdma() if direct is None else direct
         self._known: dict[str, bytes] = {}  # peer -> agent metadata (the directory's, or the peer's own)
         self._from_directory: set[str] = set()  # peers whose known metadata the directory published
@@ -261,7 +261,10 @@ class NixlTransport(TcpTransport):
         if status == wire.STATUS_BAD_REQUEST:  # "unknown op": a tcp / ucx node
             raise _NotNixl(f"peer {peer} does not serve NIXL reads: {message}")
         if status == wire.STATUS_UNAUTHENTICATED:
-            raise Unauthenticated(f"data plane at {peer} refused NIXL_HELLO: {message}", hint="pass token=")
+            raise Unauthenticated(
+                f"data plane at {peer} refused NIXL_HELLO: {message}",
+                hint="give the transport a ticket from the node's Hello (use_tickets)",
+            )
         if status != wire.STATUS_OK:
             raise InvalidArgument(f"peer {peer} refused NIXL_HELLO (status {status}): {message}")
         if count > MAX_AGENT_NAME_BYTES:

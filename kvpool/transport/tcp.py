@@ -434,9 +434,9 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, token: str = "") -> None:
-        """``token`` is not used on the data plane itself: a node with credentials admits a
-        connection with a ticket its control plane issued for the token (``use_tickets``)."""
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """A node with credentials admits a connection with a ticket its control plane issued
+        (``use_tickets``): the token itself never travels on the data plane."""
         self.timeout_s = timeout_s
         self._tickets: TicketSource | None = None
         self._tls: ssl.SSLContext | None = None
