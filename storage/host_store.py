@@ -97,6 +97,9 @@ class LeaseGrant:
     lease_id: int  # 0 when nothing was leased
     locations: list[BlockLocation]
     expires_ms: float
+    # why blocks a lower tier holds could not be brought into host for this lease (host full
+    # of leased or pinned blocks, or a quota); "" when nothing was refused (TieredStore.lease)
+    not_promoted: str = ""
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,6 +63,15 @@ log = logging.getLogger(__name__)
 DEVICE_PROMOTE_AFTER_HITS = 2
 
 
+class Promoted(NamedTuple):
+    """What one promotion into host did: how many leading keys are now in host, the keys it
+    committed, and why host could not take them ("" unless it could not)."""
+
+    in_host: int
+    keys: set[bytes]
+    refusal: str = ""
+
+
 class TieredStore:
     """Host + optional disk + optional device tiers, with the ``HostStore`` interface."""
 
@@ -89,7 +97,6 @@ class TieredStore:
         # lock (storage/block_record.py); the counters below are kept under the same lock
         self.records = BlockTable(self.GHOST_KEYS)
         self._lock = self.records.lock
-        self._lease_note = threading.local()  # why this thread's last lease could not promote
         self.host_stats = HostTierStats()
         # per-block host hit counts feed second-hit admission and device promotion only
         self._count_hits = tiers.disk_admission == "second-hit" or tiers.device_capacity_bytes > 0
@@ -184,12 +191,11 @@ class TieredStore:
     @checked_after
     def lease(self, keys: Sequence[bytes]) -> LeaseGrant:
         """Lease the leading present keys, promoting host misses held by another tier first."""
-        self._lease_note.refusal = ""
         grant = self.host.lease(keys)
         n_host = len(grant.locations)
         promoted_keys: set[bytes] = set()
         if n_host < len(keys) and (self.disk is not None or self.device is not None):
-            promoted, promoted_keys = self._promote(list(keys[n_host:]))
+            promoted, promoted_keys, refusal = self._promote(list(keys[n_host:]))
             if promoted:
                 wider = self.host.lease(keys)
                 if grant.lease_id:
@@ -198,14 +204,11 @@ class TieredStore:
                     except LeaseExpired:
                         pass
                 grant = wider
+            if refusal:
+                grant = dataclasses.replace(grant, not_promoted=refusal)
         self._after_lease(keys, grant, promoted_keys)
         self._drain_device_demotions()
         return grant
-
-    def promotion_refusal(self) -> str:
-        """Why the last ``lease`` this thread made could not bring a block held by a lower
-        tier into host (host full of leased or pinned blocks, or a quota), "" if it could."""
-        return str(getattr(self._lease_note, "refusal", ""))
 
     @checked_after
     def release(self, lease_id: int) -> None:
@@ -408,7 +411,7 @@ class TieredStore:
             self.disk is not None and self.disk.contains(key)
         )
 
-    def _promote(self, keys: list[bytes]) -> tuple[int, set[bytes]]:
+    def _promote(self, keys: list[bytes]) -> Promoted:
         """Bring the leading run of ``keys`` held by the device or disk tier into host.
         Returns (how many leading keys are now in host, the keys this call committed)."""
         run: list[bytes] = []
@@ -417,14 +420,14 @@ class TieredStore:
                 break
             run.append(key)
         if not run:
-            return 0, set()
+            return Promoted(0, set())
         fence = self.records.prepare_moves(run, "promote")
         try:
             return self._promote_fenced(run, fence)
         finally:
             self.records.complete_moves(fence, "promote")
 
-    def _promote_fenced(self, run: list[bytes], fence: Fence) -> tuple[int, set[bytes]]:
+    def _promote_fenced(self, run: list[bytes], fence: Fence) -> Promoted:
         """``_promote`` of a run its fence covers. The bytes may still serve a lease already
         in flight, but a block removed meanwhile is not committed (no STORED), and one
         removed between the check and the commit is removed again right after it."""
@@ -462,16 +465,15 @@ class TieredStore:
         if fenced:  # removed after this promotion started: the read must not bring it back
             good = good[: next(i for i, b in enumerate(good) if b.key in fenced)]
         if not good:
-            return 0, set()
+            return Promoted(0, set())
         size = int(good[0].data.size)
         try:
             # the host's STORED event (tier "host") tells subscribers the block moved up
             grant = self.host.put_start(good[0].namespace, [b.key for b in good], size)
-        except CapacityExhausted as exc:
-            self._lease_note.refusal = exc.message  # host full, or the namespace's / tenant's quota
+        except CapacityExhausted as exc:  # host full, or the namespace's / tenant's quota
             with self._lock:
                 self.host_stats.promotion_failures += len(good)
-            return 0, set()
+            return Promoted(0, set(), exc.message)
         checksums: list[int] = []
         for index, offset in grant.slots:
             self._buffer[offset : offset + size] = good[index].data
@@ -481,7 +483,7 @@ class TieredStore:
         if grant.put_id:
             if self.records.fenced(fence, written):
                 self.host.put_abort(grant.put_id)  # a remove() landed during the copy
-                return 0, set()
+                return Promoted(0, set())
             committed = self.host.put_commit(grant.put_id, checksums).committed
         with self._lock:
             self.host_stats.promotions += committed
@@ -491,10 +493,10 @@ class TieredStore:
             # a remove() raced the commit: whichever ran first, remove again so the block is
             # gone and its last event is REMOVED (the host's own REMOVED when it is found)
             self.remove(list(fenced))
-            return self.host.lookup([b.key for b in good]), written - fenced
+            return Promoted(self.host.lookup([b.key for b in good]), written - fenced)
         if committed < len(written):
             written = {key for key in written if self.host.entry(key) is not None}
-        return committed + len(grant.already_present), written
+        return Promoted(committed + len(grant.already_present), written)
 
     def _after_lease(self, keys: Sequence[bytes], grant: LeaseGrant, promoted: set[bytes]) -> None:
         served = len(grant.locations)

@@ -33,7 +33,6 @@ from kvpool.storage.allocator import check_block_fits
 from kvpool.storage.arena import HugePagesUnavailable, SharedArena
 from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
-from kvpool.storage.tiered_store import TieredStore
 
 log = logging.getLogger("kvpool.node")
 
@@ -230,10 +229,8 @@ class PoolNode:
         grant = self.store.lease(keys)
         self.count_read(info.digest, len(grant.locations), len(keys), keys[: len(grant.locations)])
         self.lease_refusals.on_granted(info.digest)
-        if isinstance(self.store, TieredStore) and len(grant.locations) < len(keys):
-            refusal = self.store.promotion_refusal()
-            if refusal:  # held on a lower tier, but host could not take it: the reader missed it
-                self.note_lease_refused(info.digest, NOT_PROMOTED, refusal)
+        if grant.not_promoted:  # held on a lower tier, but host could not take it: the reader missed it
+            self.note_lease_refused(info.digest, NOT_PROMOTED, grant.not_promoted)
         return grant
 
     def note_lease_refused(self, namespace: bytes, code: str, message: str) -> None:
