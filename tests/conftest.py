@@ -28,10 +28,13 @@ from kvpool.core import invariants
 
 # Debug invariants on for every store and directory a test builds in this process: each
 # checks its own rules after each operation (kvpool/core/invariants.py). Set before anything
-# imports the stores: the checks are attached when their classes are. Daemons a test starts
-# run without them (a full walk per operation over a daemon's thousands of blocks is
-# quadratic over a bulk test); KVPOOL_DEBUG_INVARIANTS=1 in a test's env turns them on there.
+# imports the stores: the checks are attached when their classes are. Every process a test
+# starts (daemons, directories, ``kvpool cluster up`` and its children) inherits
+# KVPOOL_DEBUG_INVARIANTS=sampled: they check too, at a bounded share of their time (a full
+# walk after every operation over a daemon's thousands of blocks would make a bulk test
+# quadratic); KVPOOL_DEBUG_INVARIANTS=1 in a test's env makes one check every operation.
 invariants.set_enabled(True)
+os.environ[invariants.ENV_VAR] = "sampled"
 
 from kvpool.daemon.cluster_local import LocalCluster, free_port  # noqa: E402  (after the switch, on purpose)
 
@@ -164,6 +167,7 @@ def start_daemon(
     full_env = dict(os.environ)
     for key in [k for k in full_env if k.startswith("KVPOOL_")]:
         del full_env[key]  # the developer's own settings must not leak into tests
+    full_env[invariants.ENV_VAR] = "sampled"  # the daemon checks its invariants too (above)
     full_env.update(env or {})
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=stderr_file)
     handle = DaemonHandle(address, port, proc, arena_dir, stderr_path, argv, stderr_file)

@@ -13,6 +13,8 @@ import argparse
 import logging
 import sys
 
+from kvpool.core import invariants
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:7440", help="gRPC address, HOST:PORT (default 127.0.0.1:7440)")
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    invariants.log_if_enabled(logging.getLogger("kvpool.directory"))
     try:
         config = DirectoryConfig(
             listen=args.listen,

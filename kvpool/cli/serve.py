@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 
+from kvpool.core import invariants
+
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -46,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     # may take it: 5 ms by default, which a short lookup waits out behind another tenant's
     # large call; 0.5 ms keeps a small call's wait small (docs/security.md, fairness)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    invariants.log_if_enabled(logging.getLogger("kvpool.serve"))
     try:
         server = PoolServer(config)
         server.start()

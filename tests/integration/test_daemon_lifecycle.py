@@ -63,6 +63,20 @@ def test_sigterm_exits_0_and_removes_the_arena(daemon_factory: Any) -> None:
     assert "signal 15" in daemon.stderr() and "stopped" in daemon.stderr()
 
 
+def test_a_daemon_a_test_starts_checks_its_invariants_sampled(daemon_factory: Any) -> None:
+    """The tests' daemons run with debug invariants (sampled, kvpool/core/invariants.py):
+    the daemon says so once at start, and puts, reads and removes still work under them."""
+    daemon: DaemonHandle = daemon_factory()
+    with PoolClient.connect(daemon.address, SPEC) as client:
+        hashes = client.hashes(TOKENS)
+        blocks = make_blocks(len(hashes), seed=2)
+        client.put(hashes, blocks)
+        assert np.stack(client.get(hashes)).view(np.uint16).tobytes() == blocks.view(np.uint16).tobytes()
+        client.remove(hashes[:3])
+        assert len(client.get(hashes)) == 0
+    assert daemon.stderr().count("debug invariants on, sampled") == 1
+
+
 _CHILD_LEASE_HOLDER = """
 import sys, time
 from kvpool import KVSpec, PoolClient

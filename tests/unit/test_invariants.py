@@ -252,3 +252,61 @@ def test_an_operation_defined_with_debug_off_is_left_as_it_is() -> None:
         assert invariants.checked_after(operation) is operation
     finally:
         invariants.set_enabled(True)
+
+
+class _Counted:
+    """A structure that counts its checks and can be broken on purpose."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.broken = False
+
+    def check_invariants(self) -> None:
+        self.checks += 1
+        invariants.require("Counted", "not broken", not self.broken)
+
+    @invariants.checked_after
+    def operate(self) -> None:
+        pass
+
+
+def test_sampled_mode_checks_a_share_of_operations_and_still_catches_a_lasting_break(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sampled mode (the tests' daemons): a fresh structure is checked by its first
+    operation; after a check taking t, none until t / SAMPLED_SHARE has passed; a rule that
+    stays broken is caught by the first operation after that."""
+    now_s = [100.0]
+
+    def fake_monotonic() -> float:
+        now_s[0] += 0.001  # every reading of the clock advances it by 1 ms
+        return now_s[0]
+
+    monkeypatch.setattr(invariants.time, "monotonic", fake_monotonic)
+    invariants.set_sampled(True)
+    try:
+        thing = _Counted()
+        thing.operate()
+        assert thing.checks == 1  # first operation: checked; the check "took" 1 ms
+        for _ in range(3):
+            thing.operate()  # each at +1 ms: inside the 10 ms the check bought
+        assert thing.checks == 1
+        thing.broken = True
+        with pytest.raises(InvariantViolated):
+            for _ in range(20):
+                thing.operate()
+        assert thing.checks == 2
+    finally:
+        invariants.set_sampled(False)
+
+
+def test_sampled_from_the_environment_never_weakens_checks_already_on() -> None:
+    """A test process (checks on after every operation) that runs the CLI in-process with
+    KVPOOL_DEBUG_INVARIANTS=sampled in its environment keeps checking every operation."""
+    assert invariants.enabled() and not invariants.DEBUG.sampled
+    invariants.enable_from_environ({invariants.ENV_VAR: "sampled"})
+    assert invariants.enabled() and not invariants.DEBUG.sampled
+    thing = _Counted()
+    thing.operate()
+    thing.operate()
+    assert thing.checks == 2
