@@ -41,7 +41,18 @@ from kvpool.daemon.launcher import LocalCluster, free_port
 
 MODES = ("colocated", "colocated-chunked", "disagg", "disagg-pool")
 WORKLOADS = ("conversation", "mixed")
-TRACE = "/work/shared/data/conversation_trace.jsonl"
+#: the whole trace where the project's data folder lies beside the checkout (../shared/data)
+SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "conversation_trace.jsonl"
+
+
+def default_trace() -> str:
+    """The shared folder's trace when it is there, else the first 2,000 requests of the same
+    trace that ship in the package (``kvpool sim``'s), which hold the default 12 conversations."""
+    if SHARED_TRACE.is_file():
+        return str(SHARED_TRACE)
+    from importlib import resources
+
+    return str(resources.files("kvpool.scheduler") / "data" / "conversation_trace_head2000.jsonl")
 TRACE_BLOCK_TOKENS = 512
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # reference model: 2 x layers x kv_heads x head_dim x float32
 REQUEST_TIMEOUT_S = 600.0
@@ -51,7 +62,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("kvpool demo bench")
     g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="conversation,mixed")
-    g.add_argument("--trace", default=TRACE, help="Mooncake-format conversation trace (JSONL)")
+    g.add_argument(
+        "--trace",
+        default=default_trace(),
+        help="Mooncake-format conversation trace (JSONL; default: ../shared/data/conversation_trace.jsonl "
+        "beside the checkout, else the 2,000-request head that ships with kvpool)",
+    )
     g.add_argument("--conversations", type=int, default=12, help="conversations taken from the trace")
     g.add_argument("--max-output-tokens", type=int, default=24, help="cap on scaled output lengths")
     g.add_argument("--requests", type=int, default=40, help="mixed workload: requests")
