@@ -53,6 +53,8 @@ def default_trace() -> str:
     from importlib import resources
 
     return str(resources.files("kvpool.scheduler") / "data" / "conversation_trace_head2000.jsonl")
+
+
 TRACE_BLOCK_TOKENS = 512
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # reference model: 2 x layers x kv_heads x head_dim x float32
 REQUEST_TIMEOUT_S = 600.0
