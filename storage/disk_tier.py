@@ -420,7 +420,14 @@ class DiskTier:
             self.flush(flush_timeout_s)
         with st.lock:
             st.closed = True
-        self._writer.stop(flush_timeout_s)
+        if not self._writer.stop(flush_timeout_s):
+            log.error(
+                "disk tier: the writer is still inside a write %.1f s after close began (a stuck disk?); "
+                "its slab files and index are left open, for the process exit to close, so that no late "
+                "write lands in a reused file descriptor",
+                flush_timeout_s,
+            )
+            return
         self._pool.shutdown(wait=True)
         self._files.close()
         with st.lock:

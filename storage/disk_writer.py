@@ -83,11 +83,23 @@ class DiskWriter:
     def running(self) -> bool:
         return self._thread is not None
 
-    def stop(self, timeout_s: float) -> None:
-        if self._thread is not None:
-            self.queue.put(None)
-            self._thread.join(timeout=timeout_s)
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the writer to end and wait up to ``timeout_s``. True when it ended (or never
+        started) and its commit thread is done; False when it is still inside a batch (a
+        disk stuck in an I/O): then the caller must not close the files and the index it
+        writes to, or a late write could land in a descriptor number the process reused."""
+        thread = self._thread
+        if thread is not None:
+            deadline_s = time.monotonic() + timeout_s
+            try:  # a full queue behind a stuck writer must not block the stop itself
+                self.queue.put(None, timeout=max(timeout_s, 0.0))
+            except queue.Full:
+                pass
+            thread.join(timeout=max(deadline_s - time.monotonic(), 0.0))
+            if thread.is_alive():
+                return False  # its batch may still need the commit thread: leave that running too
         self._finisher.shutdown(wait=True)
+        return True
 
     # -- taking blocks -------------------------------------------------------------------
     def enqueue(self, key: bytes, namespace: bytes, data: np.ndarray, checksum: int) -> bool:

@@ -114,3 +114,42 @@ def test_close_joins_background_recovery_before_closing_the_index(
     assert not closer.is_alive()
     assert closed_at_delete == [False]
     assert "kvpool-disk-recovery" not in {th.name for th in threading.enumerate()}
+
+
+def test_close_with_a_writer_stuck_in_a_write_leaves_its_files_open(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk stuck in a write outlasts close's wait: close returns (bounded), says so, and
+    leaves the slab files and the index open under the writer, so its late write cannot land
+    in a descriptor the process reused; released, the writer finishes and the block is indexed."""
+    t = tier(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    real = os.pwritev
+
+    def stuck(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if threading.current_thread().name != "MainThread":
+            entered.set()
+            release.wait(30)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", stuck)
+    assert t.enqueue(key(1), b"ns", data(1), checksum64(data(1)))
+    assert entered.wait(10)
+    open_fds = dict(t._files.fds)
+    assert open_fds
+    t.close(flush_timeout_s=0.2)
+    assert "the writer is still inside a write" in caplog.text
+    assert t._files.fds == open_fds and all(os.fstat(fd) for fd in open_fds.values())
+    release.set()
+    t._writer._thread.join(10)  # type: ignore[union-attr]
+    assert not t._writer._thread.is_alive()  # type: ignore[union-attr]
+    assert key(1) in t._st.index
+    t._files.close()
+    t._db.close()
+
+
+def test_close_joins_an_idle_writer_and_closes_its_files(tmp_path: pathlib.Path) -> None:
+    t = tier(tmp_path)
+    assert t.enqueue(key(2), b"ns", data(2), checksum64(data(2)))
+    t.close()
+    assert t._files.fds == {} and not t._writer._thread.is_alive()  # type: ignore[union-attr]
