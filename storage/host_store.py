@@ -554,6 +554,15 @@ class HostStore:
         with self._lock:
             return self._index.get(key)
 
+    def report_absent(self, keys: list[bytes], report: Callable[[list[bytes]], None]) -> None:
+        """Call ``report`` with those of ``keys`` this tier does not hold, under its lock:
+        a put that commits one of them is ordered after the report (its STORED follows), so
+        a lower tier's "gone" can never be the last word on a block host holds."""
+        with self._lock:
+            absent = [k for k in keys if k not in self._index]
+            if absent:
+                report(absent)
+
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 

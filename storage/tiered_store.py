@@ -564,9 +564,10 @@ class TieredStore:
     def _on_lower_tier_dropped(self, keys: list[bytes], cause: str = "") -> None:
         """The disk tier evicted (``cause`` "") or dropped blocks: gone from the node unless
         another tier has them."""
-        gone = [k for k in keys if self.host.entry(k) is None and (self.device is None or not self.device.contains(k))]
-        if gone:
-            self._emit(EventKind.REMOVED, gone, b"", "disk", cause)
+        below_host = [k for k in keys if self.device is None or not self.device.contains(k)]
+        # checked and sent under the host lock: a put committing one of them meanwhile sends
+        # its STORED after this REMOVED, never before it
+        self.host.report_absent(below_host, lambda gone: self._emit(EventKind.REMOVED, gone, b"", "disk", cause))
 
     def _on_disk_failed(self, keys: list[bytes], cause: str) -> None:
         """The disk tier dropped blocks that failed their checksum or an I/O (``cause``)."""

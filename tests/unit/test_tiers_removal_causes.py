@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 
 import pytest
 from test_tiers_store import Harness, key
@@ -110,5 +111,33 @@ def test_a_host_block_rotten_before_its_demotion_is_a_checksum_failure_at_tier_h
         h.put(list(range(1, 200)))  # 128 host blocks: key 0 is evicted first
         assert (key(0), "host", "checksum_failure") in h.causes
         assert h.store.tier_of(key(0)) == ""  # not demoted
+    finally:
+        h.store.close()
+
+
+def test_a_disk_drop_racing_a_put_of_the_same_block_never_ends_on_removed(tmp_path: pathlib.Path) -> None:
+    """The disk drops block K (eviction or failure) while a client puts K into host: the
+    REMOVED from disk and the put's STORED are ordered (the absence is checked and reported
+    under the host lock), so the last event the directory sees for K says it is held.
+    The put is started just before the REMOVED goes out, the worst moment, and gets half a
+    second to commit there (it must not manage: it waits for the host lock)."""
+    h = CauseHarness(tmp_path)
+    racer: list[threading.Thread] = []
+    real_emit = h.store._emit
+    try:
+
+        def put_first(kind: EventKind, keys: list[bytes], ns: bytes, tier: str = "host", cause: str = "") -> None:
+            if kind is EventKind.REMOVED and tier == "disk" and not racer:
+                racer.append(threading.Thread(target=h.put, args=([7],)))
+                racer[0].start()
+                racer[0].join(0.5)
+            real_emit(kind, keys, ns, tier, cause)
+
+        h.store._emit = put_first  # type: ignore[method-assign]
+        h.store._on_lower_tier_dropped([key(7)])
+        racer[0].join(10)
+        assert not racer[0].is_alive()
+        last = [(kind, tier) for kind, k, tier in h.tiers if k == key(7)][-1]
+        assert last == (EventKind.STORED, "host") and h.store.host.entry(key(7)) is not None
     finally:
         h.store.close()
