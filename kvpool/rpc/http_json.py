@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp
 
 from kvpool.core.errors import InvalidArgument, KVPoolError
+from kvpool.rpc.listen import split_listen
 
 log = logging.getLogger(__name__)
 
@@ -187,21 +188,13 @@ def _close(items: Iterator[Any], on_end: Callable[[], None] | None) -> None:
             on_end()
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port); an empty host is loopback, never every interface."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgument(f"listen address {listen!r} is not HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 class HttpServer:
     """``app`` served by uvicorn on one thread this object owns: bound in ``__init__`` (port 0
     picks a free one, ``address`` says which), served from ``start``, and stopped and joined in
     ``stop`` (open requests get ``shutdown_grace_s``; then they are cancelled)."""
 
     def __init__(self, app: ASGIApp, listen: str, limits: HttpLimits, name: str) -> None:
-        host, port = split_listen(listen)
+        host, port = split_listen(listen, f"{name} listen address")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             self._sock = socket.create_server((host, port), family=family, reuse_port=False)

@@ -33,7 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.errors import Unavailable
+from kvpool.rpc.listen import split_listen
 
 log = logging.getLogger("kvpool.metrics")
 
@@ -134,14 +135,6 @@ class _TimingInterceptor(grpc.ServerInterceptor):
 
 
 SCRAPE_TIMEOUT_S = 10.0
-
-
-def split_listen(listen: str, what: str) -> tuple[str, int]:
-    """HOST:PORT -> (host, port), or InvalidArgument naming ``what``."""
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise InvalidArgument(f"{what} {listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:9450")
-    return host.strip("[]"), int(port)
 
 
 class MetricsServer:
