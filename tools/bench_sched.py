@@ -121,13 +121,16 @@ def bench_decision(
         hs = c[: int(rng.integers(1, chain + 1))] + extra
         reqs.append(RouteRequest(hs, len(hs) * 512, 300, Slo(1e9, 1e9)))
     out: dict[str, dict[str, object]] = {}
-    for name in ("least-loaded", "kv-centric", "dynamo", "sglang", "llm-d"):
-        pol = make_policy(name)
+    # "kv-centric numpy": the same policy's reference path (the code before the compiled kernel), for an
+    # A/B at the same load; both decide alike (tests/property/test_sched_kernel.py)
+    for name in ("least-loaded", "kv-centric", "kv-centric numpy", "dynamo", "sglang", "llm-d"):
+        pol = make_policy(name.split()[0])
+        decide = pol.decide_reference if name.endswith("numpy") else pol.decide  # type: ignore[attr-defined]
         for r in reqs[:200]:  # warm up
-            pol.decide(r, st)
+            decide(r, st)
         p50s, p99s, cpu50s, cpu99s, cpus = [], [], [], [], []
         for _ in range(repeats):  # the machine is shared: report the median of a few runs' p99
-            ns, cpu = _time_each(functools.partial(pol.decide, state=st), reqs)
+            ns, cpu = _time_each(functools.partial(decide, state=st), reqs)
             p50s.append(float(np.percentile(ns, 50) / 1e3))
             p99s.append(float(np.percentile(ns, 99) / 1e3))
             cpu50s.append(float(np.percentile(cpu, 50) / 1e3))
@@ -257,15 +260,18 @@ def _goodput_one(
     return goodput_search(attainment, lo=lo, hi=hi, target=target, steps=steps)
 
 
-def part_capacity(name: str, speedup: float, n_jobs: int) -> dict[str, Any]:
-    """The sweep ``kvpool sim --capacity-curve`` draws too (kvpool.cli.sim_capacity), in forked workers."""
+def part_capacity(name: str, speedup: float, n_jobs: int, peers: bool = True) -> dict[str, Any]:
+    """The sweep ``kvpool sim --capacity-curve`` draws too (kvpool.cli.sim_capacity), in forked workers.
+    ``peers=False``: the nodes read only their own caches and the global pool (the pool is then the
+    only shared tier, so its capacity decides what a node can find that it did not compute)."""
     caps = list(sim_capacity.DEFAULT_CAPACITIES_TOKENS)
     pols = ("least-loaded", "dynamo", "kv-centric-noreject")
     jobs = [
-        (name, regime_spec(True, pool_blocks=None if c is None else c // 512), p, speedup) for c in caps for p in pols
+        (name, regime_spec(peers, pool_blocks=None if c is None else c // 512), p, speedup) for c in caps for p in pols
     ]
     curve = sim_capacity.capacity_table(caps, pols, run_many(jobs, n_jobs))
-    print(f"\n== capacity curve ({name}, x{speedup:g}, peers on): mean TTFT ms by global pool tokens ==")
+    where = "peers on" if peers else "local-only"
+    print(f"\n== capacity curve ({name}, x{speedup:g}, {where}): mean TTFT ms by global pool tokens ==")
     print(sim_capacity.table_text(curve))
     return curve
 
@@ -345,6 +351,11 @@ def main() -> int:
         save("capacity", cap)
         if plots is not None:
             sim_capacity.plot(plots / "sched_capacity_curve.png", cap)
+    if "capacity-local" in parts:
+        cap = part_capacity("conversation", 1.5, args.jobs, peers=False)
+        save("capacity_local", cap)
+        if plots is not None:
+            sim_capacity.plot(plots / "sched_capacity_curve_local.png", cap)
     if "goodput" in parts:
         pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject", "kv-centric")
         save("goodput", part_goodput("conversation", pols, regime_spec(True), args.jobs, **gp))
