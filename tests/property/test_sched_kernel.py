@@ -68,6 +68,13 @@ def _pair(knobs: dict[str, float | bool]) -> tuple[KvCentricPolicy, KvCentricPol
     return KvCentricPolicy(**kw), KvCentricPolicy(**kw)  # type: ignore[arg-type]
 
 
+def _use_python_kernel(policy: KvCentricPolicy, state: ClusterState) -> None:
+    """Make ``policy.decide`` run the kernel's function uncompiled on ``state``."""
+    policy._kernel, policy._kernel_state = kv_centric_kernel.python_kernel(), state
+    policy._prm = kv_centric_kernel.static_params(state, policy.occupancy_weight)
+    policy._lens = np.zeros(state.index.num_members, dtype=np.int64)
+
+
 @settings(max_examples=400, deadline=None)
 @given(cases())
 def test_compiled_path_decides_like_the_reference(case: tuple[ClusterState, RouteRequest, dict]) -> None:
@@ -86,9 +93,7 @@ def test_uncompiled_kernel_decides_like_the_reference(case: tuple[ClusterState, 
     """The same function run by the interpreter (what numba compiles; also the fallback's twin)."""
     state, req, knobs = case
     fast, ref = _pair(knobs)
-    fast._kernel, fast._kernel_state = kv_centric_kernel.python_kernel(), state
-    fast._prm = kv_centric_kernel.static_params(state, fast.occupancy_weight)
-    fast._lens = np.zeros(state.index.num_members, dtype=np.int64)
+    _use_python_kernel(fast, state)
     assert fast.decide(req, state) == ref.decide_reference(req, state)
 
 
@@ -126,9 +131,7 @@ def test_dense_branch_fetch_matches_the_reference(weight: float, kernel: str) ->
     req = RouteRequest(H[:30], 30 * 512, 100)
     fast, ref = KvCentricPolicy(occupancy_weight=weight), KvCentricPolicy(occupancy_weight=weight)
     if kernel == "python":
-        fast._kernel, fast._kernel_state = kv_centric_kernel.python_kernel(), state
-        fast._prm = kv_centric_kernel.static_params(state, weight)
-        fast._lens = np.zeros(state.index.num_members, dtype=np.int64)
+        _use_python_kernel(fast, state)
     want = ref.decide_reference(req, state)
     assert want.prefill_member == 5 and want.expected_hit_blocks == 28  # the fetch won
     assert fast.decide(req, state) == want
