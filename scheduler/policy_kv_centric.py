@@ -62,7 +62,8 @@ class KvCentricPolicy(Policy):
 
     def decide(self, req: RouteRequest, state: ClusterState) -> Decision:
         """The compiled path (``kv_centric_kernel``) when numba is there and the cluster has prefill
-        instances; otherwise, or with ``affinity_slack``, ``decide_reference`` (same decisions)."""
+        instances; otherwise, or with ``affinity_slack``, ``decide_reference`` (same decisions).
+        Not reentrant (one prefix-length buffer per policy): the router decides under its lock."""
         if self.affinity_slack > 0 or state.spec.num_prefill == 0:
             return self.decide_reference(req, state)
         if self._kernel_state is not state:
