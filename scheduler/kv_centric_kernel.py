@@ -182,7 +182,10 @@ def load() -> Callable[..., tuple[int, int, int, float, float]] | None:
             import numba
         except ImportError:
             return None
-        _kernel = numba.njit(cache=True, nogil=True)(_decide)
+        try:
+            _kernel = numba.njit(cache=True, nogil=True)(_decide)
+        except RuntimeError:  # no writable place for numba's cache (a read-only install): compile per process
+            _kernel = numba.njit(nogil=True)(_decide)
     return _kernel
 
 
