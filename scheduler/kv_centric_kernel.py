@@ -13,11 +13,12 @@ branches -> TTFT and hit per prefill instance, ``_saved_ms`` -> score, first arg
 for operation in the same order, so the two pick the same instances with the same predicted
 TTFT / TPOT bit for bit (tests/property/test_sched_kernel.py checks it on random states).
 
-Inputs: ``fr`` (float64, rows busy / NIC in / NIC out, ``ClusterState.f_rows``), ``ir`` (int64, rows
-decode_active / decode_context_tokens, ``ClusterState.i_rows``), ``lens`` (prefix blocks per member,
-pool last), ``prm`` (``static_params``: what depends only on the cluster, its cost models and the
-policy's weight). numba is optional: without it ``load()`` returns None and the policy runs the
-reference path (same decisions, slower).
+Inputs: ``fr`` (float64, rows busy / NIC in / NIC out, ``ClusterState.f_rows``), ``ir`` (int64,
+rows decode_active / decode_context_tokens, ``ClusterState.i_rows``), ``lens`` (prefix blocks per
+member, pool last), ``prm`` (``static_params``: what depends only on the cluster and its cost
+models; the policy's occupancy weight is an argument, so changing it takes effect at once).
+numba is optional: without it ``load()`` returns None and the policy runs the reference path
+(same decisions, slower).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from kvpool.scheduler.cluster import _SPARSE_HOLDERS, ClusterState
 # prm layout
 P_NUM_PREFILL, P_NUM_DECODE, P_POOL, P_POOL_ON, P_PEER_FETCH, P_CONTENTION = 0, 1, 2, 3, 4, 5
 P_BT, P_A, P_HALF_B, P_BASE, P_KVB, P_BW, P_LAT, P_PER_BLOCK = 6, 7, 8, 9, 10, 11, 12, 13
-P_DEC_BASE, P_DEC_SEQ, P_DEC_CTX, P_WEIGHT = 14, 15, 16, 17
-NUM_PARAMS = 18
+P_DEC_BASE, P_DEC_SEQ, P_DEC_CTX = 14, 15, 16
+NUM_PARAMS = 17
 
 _kernel: Callable[..., tuple[int, int, int, float, float]] | None = None
 _tried = False
 
 
-def static_params(state: ClusterState, occupancy_weight: float) -> np.ndarray:
+def static_params(state: ClusterState) -> np.ndarray:
     """The kernel's per-cluster constants (computed once per state, as the reference computes them)."""
     spec = state.spec
     pc, dc = state.role_cost["prefill"], state.role_cost["decode"]
@@ -62,7 +63,6 @@ def static_params(state: ClusterState, occupancy_weight: float) -> np.ndarray:
         dc.decode_ms_per_seq,
         dc.decode_ms_per_context_token,
     )
-    prm[P_WEIGHT] = occupancy_weight
     return prm
 
 
@@ -75,8 +75,10 @@ def _decide(
     inp: int,
     out_tokens: int,
     n_blocks: int,
+    weight: float,
 ) -> tuple[int, int, int, float, float]:
-    """(prefill member, decode member, hit blocks, predicted TTFT ms, predicted TPOT ms)."""
+    """(prefill member, decode member, hit blocks, predicted TTFT ms, predicted TPOT ms); ``weight`` is
+    the policy's ``occupancy_weight``."""
     num_p, num_d, pool = int(prm[P_NUM_PREFILL]), int(prm[P_NUM_DECODE]), int(prm[P_POOL])
     contention = prm[P_CONTENTION] != 0.0
     bt = int(prm[P_BT])
@@ -114,7 +116,6 @@ def _decide(
     to_bytes = (inp - dec_has) * int(prm[P_KVB])
     move = lat + to_bytes / prm[P_BW] * 1000.0 if to_bytes > 0 else 0.0
     floor_dec = max(now, fr[1, d]) if contention else now
-    weight = prm[P_WEIGHT]
     best_i, best_score, best_ttft, best_hit = -1, 0.0, 0.0, 0
     if holders > _SPARSE_HOLDERS:  # _plan_ttft_dense
         local_min = n_blocks

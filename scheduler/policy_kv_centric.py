@@ -71,7 +71,7 @@ class KvCentricPolicy(Policy):
             if self._kernel is None:
                 return self.decide_reference(req, state)
             self._kernel_state = state
-            self._prm = kv_centric_kernel.static_params(state, self.occupancy_weight)
+            self._prm = kv_centric_kernel.static_params(state)
             self._lens = np.zeros(state.index.num_members, dtype=np.int64)
         kernel, lens, index = self._kernel, self._lens, state.index
         assert kernel is not None
@@ -85,6 +85,7 @@ class KvCentricPolicy(Policy):
             req.input_tokens,
             req.output_tokens,
             len(req.hashes),
+            self.occupancy_weight,
         )
         index.reset_lengths(lens, written)
         return self._finish(req, "instance", p, d, hit, best_ttft, best_tpot)

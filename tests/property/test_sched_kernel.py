@@ -71,7 +71,7 @@ def _pair(knobs: dict[str, float | bool]) -> tuple[KvCentricPolicy, KvCentricPol
 def _use_python_kernel(policy: KvCentricPolicy, state: ClusterState) -> None:
     """Make ``policy.decide`` run the kernel's function uncompiled on ``state``."""
     policy._kernel, policy._kernel_state = kv_centric_kernel.python_kernel(), state
-    policy._prm = kv_centric_kernel.static_params(state, policy.occupancy_weight)
+    policy._prm = kv_centric_kernel.static_params(state)
     policy._lens = np.zeros(state.index.num_members, dtype=np.int64)
 
 
