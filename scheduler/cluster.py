@@ -128,7 +128,7 @@ class RouteRequest:
         return min(hit_blocks * block_tokens, self.input_tokens - 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """Where a request runs, what it is expected to hit and how long its first token takes."""
 
@@ -195,14 +195,18 @@ class ClusterState:
             self.role_cost[role] = c
         self.now_ms = 0.0
         n = spec.num_instances
-        self.busy_until_ms = np.zeros(n, dtype=np.float64)  # prefill queue drains at (decode: local prefill)
-        self.decode_active = np.zeros(n, dtype=np.int64)  # running requests (decode members only)
-        self.decode_context_tokens = np.zeros(n, dtype=np.int64)  # their KV tokens
-        self.outstanding_tokens = np.zeros(n, dtype=np.int64)  # prefill tokens queued or running
-        self.outstanding_requests = np.zeros(n, dtype=np.int64)  # prefills queued or running
+        # The per-member figures are rows of two matrices (views below, updated in place by everyone), so
+        # a compiled decision (scheduler/kv_centric_kernel.py) takes the whole load in two arguments.
+        self.f_rows = np.zeros((3, n + 1), dtype=np.float64)
+        self.i_rows = np.zeros((4, n + 1), dtype=np.int64)
+        self.busy_until_ms = self.f_rows[0, :n]  # prefill queue drains at (decode: local prefill)
+        self.nic_in_busy_until_ms = self.f_rows[1]  # per member (the pool's entry unused)
+        self.nic_out_busy_until_ms = self.f_rows[2]
+        self.decode_active = self.i_rows[0, :n]  # running requests (decode members only)
+        self.decode_context_tokens = self.i_rows[1, :n]  # their KV tokens
+        self.outstanding_tokens = self.i_rows[2, :n]  # prefill tokens queued or running
+        self.outstanding_requests = self.i_rows[3, :n]  # prefills queued or running
         self.link_busy_until_ms = 0.0  # the remote prefill link
-        self.nic_in_busy_until_ms = np.zeros(n + 1, dtype=np.float64)  # per member (the pool's entry unused)
-        self.nic_out_busy_until_ms = np.zeros(n + 1, dtype=np.float64)
         self.index = LocationIndex(n + 1)
         self.block_bytes = cost.kv_bytes_per_token * spec.block_tokens
         self.prefill_arr = np.arange(spec.num_prefill)

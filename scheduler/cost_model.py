@@ -63,6 +63,15 @@ class CostModel:
 
     def prefill_ms(self, new_tokens: Any, cached_tokens: Any = 0) -> Any:
         """Time to prefill ``new_tokens`` on top of ``cached_tokens`` (scalars or arrays)."""
+        if type(new_tokens) is int and type(cached_tokens) is int:  # the scalar fast path: same IEEE operations
+            if new_tokens <= 0:
+                return 0.0
+            n = float(new_tokens)
+            return (
+                self.prefill_base_ms
+                + self.prefill_ms_per_token * n
+                + self.prefill_ms_per_token_pair * n * (float(cached_tokens) + n / 2.0)
+            )
         new = np.asarray(new_tokens, dtype=np.float64)
         cached = np.asarray(cached_tokens, dtype=np.float64)
         ms = (

@@ -103,6 +103,34 @@ class LocationIndex:
         _set_bits(out, alive, n)
         return out, n
 
+    def prefix_lengths_into(self, hashes: Sequence[bytes], out: np.ndarray) -> int:
+        """``prefix_lengths(hashes)[0]`` written into ``out`` (all zeros on entry, ``num_members``
+        long), without allocating or walking past the last holder; returns the mask of the
+        members it may have written, for ``reset_lengths`` to zero them again afterwards."""
+        n = len(hashes)
+        if not n:
+            return 0
+        loc = self._loc
+        first = alive = loc.get(hashes[0], 0)
+        if not alive:
+            return 0
+        for i in range(1, n):
+            m = loc.get(hashes[i], 0)
+            dropped = alive & ~m
+            if dropped:
+                _set_bits(out, dropped, i)
+                alive &= m
+                if not alive:
+                    return first
+        _set_bits(out, alive, n)
+        return first
+
+    @staticmethod
+    def reset_lengths(out: np.ndarray, written: int) -> None:
+        """Zero the entries ``prefix_lengths_into`` wrote (``written`` is what it returned)."""
+        if written:
+            _set_bits(out, written, 0)
+
     def _union(self, hashes: Sequence[bytes], start: int = 1) -> int:
         """Longest prefix held by any member, given that its first ``start`` blocks are."""
         loc = self._loc

@@ -28,9 +28,12 @@ missed tokens + the whole prefix's KV to that decode instance, all from the cost
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from kvpool.scheduler.cluster import ClusterState, Decision, RouteRequest
+from kvpool.scheduler import kv_centric_kernel
+from kvpool.scheduler.cluster import ClusterState, Decision, PrefillKind, RouteRequest
 from kvpool.scheduler.cost_model import CostModel
 from kvpool.scheduler.policy_base import Policy, prefill_candidates
 
@@ -52,8 +55,43 @@ class KvCentricPolicy(Policy):
         self.max_tracked_blocks = max_tracked_blocks
         self.reject = reject
         self._hits: dict[bytes, int] = {}  # insertion-ordered: the oldest-seen counts go first
+        self._kernel: Callable[..., tuple[int, int, int, float, float]] | None = None
+        self._kernel_state: ClusterState | None = None  # the state the buffers below were made for
+        self._prm = np.zeros(0)
+        self._lens = np.zeros(0, dtype=np.int64)
 
     def decide(self, req: RouteRequest, state: ClusterState) -> Decision:
+        """The compiled path (``kv_centric_kernel``) when numba is there and the cluster has prefill
+        instances; otherwise, or with ``affinity_slack``, ``decide_reference`` (same decisions).
+        Not reentrant (one prefix-length buffer per policy): the router decides under its lock."""
+        if self.affinity_slack > 0 or state.spec.num_prefill == 0:
+            return self.decide_reference(req, state)
+        if self._kernel_state is not state:
+            self._kernel = kv_centric_kernel.load()
+            if self._kernel is None:
+                return self.decide_reference(req, state)
+            self._kernel_state = state
+            self._prm = kv_centric_kernel.static_params(state)
+            self._lens = np.zeros(state.index.num_members, dtype=np.int64)
+        kernel, lens, index = self._kernel, self._lens, state.index
+        assert kernel is not None
+        written = index.prefix_lengths_into(req.hashes, lens)
+        p, d, hit, best_ttft, best_tpot = kernel(
+            state.f_rows,
+            state.i_rows,
+            lens,
+            self._prm,
+            state.now_ms,
+            req.input_tokens,
+            req.output_tokens,
+            len(req.hashes),
+            self.occupancy_weight,
+        )
+        index.reset_lengths(lens, written)
+        return self._finish(req, "instance", p, d, hit, best_ttft, best_tpot)
+
+    def decide_reference(self, req: RouteRequest, state: ClusterState) -> Decision:
+        """The numpy path: every candidate priced by ``plan_ttft_vector`` (or ``plan_prefill``)."""
         cands, kind = prefill_candidates(state)
         lens = state.prefix_lengths(req.hashes)
         if kind == "instance":
@@ -75,6 +113,12 @@ class KvCentricPolicy(Policy):
         p, best_ttft, hit = int(cands[i]), float(ttft[i]), int(reach[i])
         if kind != "instance":
             d, best_tpot = p, float(state.predicted_tpot_ms(req, np.array([p]))[0])
+        return self._finish(req, kind, p, d, hit, best_ttft, best_tpot)
+
+    def _finish(
+        self, req: RouteRequest, kind: PrefillKind, p: int, d: int, hit: int, best_ttft: float, best_tpot: float
+    ) -> Decision:
+        """Early rejection, hot-block counting and the Decision, shared by both paths."""
         if self.reject and best_ttft > req.slo.ttft_ms:
             return Decision.reject(
                 f"predicted TTFT {best_ttft:.0f} ms > SLO {req.slo.ttft_ms:.0f} ms", best_ttft, best_tpot
@@ -83,7 +127,7 @@ class KvCentricPolicy(Policy):
             return Decision.reject(
                 f"predicted TPOT {best_tpot:.1f} ms > SLO {req.slo.tpot_ms:.1f} ms", best_ttft, best_tpot
             )
-        hot = self._count_hits(req.hashes[:hit])
+        hot = self._count_hits(req.hashes, hit)
         return Decision(kind, p, d, hit, best_ttft, best_tpot, False, f"kv-centric: ttft {best_ttft:.0f} ms", hot)
 
     @staticmethod
@@ -110,16 +154,21 @@ class KvCentricPolicy(Policy):
                 best, best_len, best_ttft = j, n, t
         return best
 
-    def _count_hits(self, hashes: tuple[bytes, ...] | list[bytes]) -> tuple[bytes, ...]:
+    def _count_hits(self, hashes: tuple[bytes, ...] | list[bytes], hit: int) -> tuple[bytes, ...]:
+        """Count a hit on each of the first ``hit`` blocks; the blocks reaching ``hot_threshold`` now.
+        No slice, no list unless a block turns hot: fewer allocations, fewer garbage collections."""
         hits = self._hits
-        hot: list[bytes] = []
+        hot: list[bytes] | None = None
         threshold = self.hot_threshold
-        for h in hashes:
+        for i in range(hit):
+            h = hashes[i]
             c = hits.get(h, 0) + 1
             hits[h] = c
             if c == threshold:
+                if hot is None:
+                    hot = []
                 hot.append(h)
         if len(hits) > self.max_tracked_blocks:  # bounded: forget the oldest-seen half
             for h in list(hits)[: len(hits) // 2]:
                 del hits[h]
-        return tuple(hot)
+        return () if hot is None else tuple(hot)
