@@ -107,7 +107,9 @@ def test_a_corrupted_block_is_not_handed_to_use_nor_anything_after_it(pool_daemo
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(present=st.sets(st.integers(0, 7)), seed=st.integers(0, 2**16))
-def test_in_place_and_copying_paths_store_the_same_bytes(pool_daemon: DaemonHandle, present: set[int], seed: int) -> None:
+def test_in_place_and_copying_paths_store_the_same_bytes(
+    pool_daemon: DaemonHandle, present: set[int], seed: int
+) -> None:
     """Whatever the pool already holds, ``put_with`` + ``read_with`` and ``put`` + ``get_into``
     agree on every byte (the in-place path is the copying path without the staging buffer)."""
     data = rows_of(8, seed)
