@@ -164,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:<28} {med:7.2f} ({min(values):5.2f}-{max(values):5.2f}) {med / copy:13.2f}")
     for part in ("save_step", "save", "load"):
         ratios = [a / b for a, b in zip(figures[f"in place: {part}"], figures[f"staged: {part}"], strict=True)]
-        print(
-            f"in place / staged, {part:<10} {statistics.median(ratios):5.2f}x (per round {min(ratios):.2f}-{max(ratios):.2f})"
-        )
+        spread = f"(per round {min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"in place / staged, {part:<10} {statistics.median(ratios):5.2f}x {spread}")
     return 0
 
 
