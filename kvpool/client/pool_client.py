@@ -152,6 +152,8 @@ class StagedPut:
     """
 
     def __init__(self, client: PoolClient, start: pool_pb2.PutStartReply, checksums: list[int]) -> None:
+        """Made by ``PoolClient.stage_put``: the put ``start`` granted, with the ``checksums`` of the blocks
+        written."""
         self._client = client
         self._start = start
         self._checksums = checksums
