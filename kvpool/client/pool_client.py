@@ -352,18 +352,8 @@ class PoolClient:
         given to ``use``; a bad block is reported to the node and it and later ones are misses."""
         if not hashes:
             return 0
-        reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
-        if reply.lease_id == 0:
-            return 0
-        try:
-            good = use_rows(
-                self.arena, self.spec.block_bytes, reply.offsets, reply.checksums, use, f"node {self.node_id}"
-            )
-        finally:
-            self._release_later(int(reply.lease_id))
-        if good < len(reply.offsets):
-            self.report_corrupt([hashes[good]])
-        return good
+        block_bytes, source = self.spec.block_bytes, f"node {self.node_id}"
+        return self._leased(hashes, lambda r: use_rows(self.arena, block_bytes, r.offsets, r.checksums, use, source))
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
         """Read the leading cached blocks of ``hashes`` into ``out`` ([>= n, *block_shape]).
@@ -374,11 +364,16 @@ class PoolClient:
         rows = out_rows(out, self.spec, hashes)
         if not hashes:
             return 0
+        source = f"node {self.node_id}"
+        return self._leased(hashes, lambda r: read_rows(self.arena, rows, r.offsets, r.checksums, source))
+
+    def _leased(self, hashes: Sequence[bytes], read: Callable[[pool_pb2.LeaseReply], int]) -> int:
+        """Lease, ``read`` (returns the leading verified blocks), release later, report a bad block."""
         reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
         if reply.lease_id == 0:
             return 0
         try:
-            good = read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+            good = read(reply)
         finally:
             self._release_later(int(reply.lease_id))
         if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node

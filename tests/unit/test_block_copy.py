@@ -53,6 +53,15 @@ def test_runs_join_blocks_adjacent_on_both_sides_up_to_a_piece(small_pieces: int
     assert adjacent_runs([0, 4096], [0, 1], 4096) == [(0, 1), (1, 1)]  # a block larger than a piece: alone
 
 
+def _layout(block_bytes: int, order: list[int], gaps: list[bool]) -> tuple[list[int], np.ndarray]:
+    """Slot offsets (some adjacent, some a block apart, in ``order``) and a zeroed arena holding them."""
+    offsets, cursor = [], 0
+    for gap in gaps:
+        offsets.append(cursor)
+        cursor += block_bytes + (block_bytes if gap else 0)
+    return [offsets[i] for i in order], np.zeros(cursor, dtype=np.uint8)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     block_bytes=st.sampled_from([64, 300, 1000, 2500]),
@@ -68,12 +77,7 @@ def test_read_and_write_rows_round_trip_with_true_checksums(
     old = blocks_mod.COPY_PIECE_BYTES
     blocks_mod.COPY_PIECE_BYTES = 1000
     try:
-        offsets, cursor = [], 0
-        for gap in gaps:
-            offsets.append(cursor)
-            cursor += block_bytes + (block_bytes if gap else 0)
-        offsets = [offsets[i] for i in order]
-        arena = np.zeros(cursor, dtype=np.uint8)
+        offsets, arena = _layout(block_bytes, order, gaps)
         rows = np.random.default_rng(seed).integers(0, 256, (8, block_bytes), dtype=np.uint8)
         sums = write_rows(arena, rows, list(range(8)), offsets)
         assert sums == [checksum64(rows[i]) for i in range(8)]
@@ -135,12 +139,7 @@ def test_fill_slots_and_use_rows_hand_out_every_slot_once_with_true_checksums(
     old = blocks_mod.ENGINE_RUN_BYTES
     blocks_mod.ENGINE_RUN_BYTES = 1000
     try:
-        offsets, cursor = [], 0
-        for gap in gaps:
-            offsets.append(cursor)
-            cursor += block_bytes + (block_bytes if gap else 0)
-        offsets = [offsets[i] for i in order]
-        arena = np.zeros(cursor, dtype=np.uint8)
+        offsets, arena = _layout(block_bytes, order, gaps)
         rows = np.random.default_rng(seed).integers(0, 256, (8, block_bytes), dtype=np.uint8)
         asked: list[int] = []
 
