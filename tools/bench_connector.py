@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         with PoolClient.connect(address, spec) as client:
             paths: dict[str, VllmPoolConnectorLogic] = {}
             for name, pool in (("in place", client), ("staged", CopyingPool(client))):
-                logic = VllmPoolConnectorLogic(spec, pool, tokens, max_pending_save_bytes=2 * nbytes)  # type: ignore[arg-type]
+                logic = VllmPoolConnectorLogic(spec, pool, tokens, max_pending_save_bytes=2 * nbytes)
                 logic.register_kv_caches(kv, "CPU_ATTN")
                 paths[name] = logic
             views, paged = paths["in place"]._views, paths["in place"]._paged
