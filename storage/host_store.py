@@ -34,7 +34,7 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -85,8 +85,11 @@ class Entry:
         self.doomed = False  # removed from the index while leased; freed at last release
 
 
-@dataclass(frozen=True)
-class BlockLocation:
+class BlockLocation(NamedTuple):
+    """Where a leased block's bytes are, and their checksum. A named tuple, not a frozen
+    dataclass: a lease builds one per block under the store lock, and a frozen dataclass's
+    ``__init__`` (``object.__setattr__`` per field) was a third of ``lease``'s time."""
+
     offset: int
     size: int
     checksum: int
@@ -265,8 +268,9 @@ class HostStore:
         with self._lock:
             now = self._clock.now_ms()
             entries: list[Entry] = []
+            find = self._index.get
             for key in keys:
-                entry = self._index.get(key)
+                entry = find(key)
                 if entry is None:
                     break
                 entries.append(entry)
@@ -282,12 +286,15 @@ class HostStore:
                         f"{len(self._leases)} read leases are held (max_leases)",
                         hint="release leases after reading, or raise --max-leases",
                     )
-            for entry in entries:
+            on_access = self._policy.on_access
+            locations: list[BlockLocation] = []
+            for entry in entries:  # one pass: count the lease, touch the policy, say where it is
                 entry.leases += 1
-                self._policy.on_access(entry.key)
+                on_access(entry.key)
+                locations.append(BlockLocation(entry.offset, entry.size, entry.checksum))
             lease_id = self._new_id()
             self._leases[lease_id] = _Lease(entries, expires)
-            return LeaseGrant(lease_id, [BlockLocation(e.offset, e.size, e.checksum) for e in entries], expires)
+            return LeaseGrant(lease_id, locations, expires)
 
     @checked_after
     def release(self, lease_id: int) -> None:

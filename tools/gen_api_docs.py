@@ -29,6 +29,7 @@ API: list[tuple[str, str, list[str]]] = [
             "kvpool.client.async_client.AsyncPoolClient",
             "kvpool.client.cluster_client.ClusterClient",
             "kvpool.client.pool_client.PutResult",
+            "kvpool.client.pool_client.StagedPut",
         ],
     ),
     (
@@ -46,6 +47,7 @@ API: list[tuple[str, str, list[str]]] = [
         "Engines' side: every connector takes a ``BlockPool`` (a ``PoolClient`` or a wrapper of one).",
         [
             "kvpool.connectors.pool_api.BlockPool",
+            "kvpool.connectors.pool_api.SlotPool",
             "kvpool.connectors.hf.HFConnector",
             "kvpool.connectors.vllm.VllmPoolConnectorLogic",
             "kvpool.connectors.sglang.HiCachePoolLogic",

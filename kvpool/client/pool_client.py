@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from kvpool.client.admin import PoolAdmin
-from kvpool.client.blocks import block_rows, read_rows, write_rows
+from kvpool.client.blocks import BlockFill, BlockUse, block_rows, fill_slots, read_rows, use_rows, write_rows
 from kvpool.client.tickets import NO_TICKET, ticket_of
 from kvpool.core.arena_map import ArenaMapping, PutWindow
 from kvpool.core.errors import InvalidArgument, KVPoolError, TenantBusy, Unavailable, UnknownNamespace
@@ -142,6 +142,42 @@ def put_result(start: pool_pb2.PutStartReply, done: pool_pb2.PutCommitReply | No
     committed = int(done.committed) if done is not None else 0
     failed = len(done.checksum_failed) if done is not None else 0
     return PutResult(committed, len(start.already_present), len(start.in_flight), failed)
+
+
+class StagedPut:
+    """A put whose bytes are in the arena and checksummed but not visible yet (``PoolClient.stage_put``).
+
+    ``commit`` (once, from any thread) makes them visible; ``abort`` drops them. A put neither
+    committed nor aborted is reclaimed by the node like one of a writer that died.
+    """
+
+    def __init__(self, client: PoolClient, start: pool_pb2.PutStartReply, checksums: list[int]) -> None:
+        """Made by ``PoolClient.stage_put``: the put ``start`` granted, with the ``checksums`` of the blocks
+        written."""
+        self._client = client
+        self._start = start
+        self._checksums = checksums
+        self._done = start.put_id == 0
+
+    @property
+    def written_blocks(self) -> int:
+        """Blocks this put wrote (the others were present or in flight)."""
+        return len(self._checksums)
+
+    def commit(self) -> PutResult:
+        """Make the written blocks visible; the node refuses (``checksum_failed``) any whose bytes changed."""
+        if self._done:
+            return put_result(self._start, None)
+        self._done = True
+        request = pool_pb2.PutCommitRequest(put_id=self._start.put_id, checksums=self._checksums)
+        return put_result(self._start, self._client._rpc(self._client._stub.PutCommit, request))
+
+    def abort(self) -> None:
+        """Drop the written blocks (nothing becomes visible)."""
+        if self._done:
+            return
+        self._done = True
+        self._client._rpc(self._client._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=self._start.put_id))
 
 
 class PoolClient:
@@ -275,17 +311,49 @@ class PoolClient:
         rows = put_rows(blocks, self.spec, hashes)
         if not hashes:
             return PutResult(0, 0, 0, 0)
+        return self._stage(
+            hashes, lambda window, start: write_rows(window, rows, start.indices, start.offsets)
+        ).commit()
+
+    def stage_put(self, hashes: Sequence[bytes], fill: BlockFill) -> StagedPut:
+        """Start a put and let ``fill`` write its blocks straight into their arena slots
+        (``kvpool.client.blocks.BlockFill``; blocks the pool has or another writer is storing
+        are not asked for), each checksummed right after; nothing is visible until
+        ``StagedPut.commit``, which may run later on another thread. An engine gathers its
+        pages into the slots on its step and commits off it: one copy per byte, no staging
+        buffer. An exception from ``fill`` aborts the put and propagates."""
+        block_bytes = self.spec.block_bytes
+        return self._stage(
+            hashes, lambda window, start: fill_slots(window, block_bytes, start.indices, start.offsets, fill)
+        )
+
+    def put_with(self, hashes: Sequence[bytes], fill: BlockFill) -> PutResult:
+        """``stage_put`` and commit at once."""
+        return self.stage_put(hashes, fill).commit()
+
+    def _stage(
+        self, hashes: Sequence[bytes], write: Callable[[PutWindow, pool_pb2.PutStartReply], list[int]]
+    ) -> StagedPut:
         start = self._with_namespace(lambda: self._rpc(self._stub.PutStart, self._hashes_request(hashes)))
         if start.put_id == 0:
-            return put_result(start, None)
+            return StagedPut(self, start, [])
         try:
             with self._put_window(start.put_id, start.offsets) as window:
-                checksums = write_rows(window, rows, start.indices, start.offsets)
+                checksums = write(window, start)
         except BaseException:
             self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise
-        done = self._rpc(self._stub.PutCommit, pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums))
-        return put_result(start, done)
+        return StagedPut(self, start, checksums)
+
+    def read_with(self, hashes: Sequence[bytes], use: BlockUse) -> int:
+        """Lease the leading cached blocks of ``hashes`` and hand them to ``use`` straight from
+        the arena, verified (``kvpool.client.blocks.BlockUse``): an engine scatters them into
+        its pages with no staging buffer. Returns how many leading blocks were verified and
+        given to ``use``; a bad block is reported to the node and it and later ones are misses."""
+        if not hashes:
+            return 0
+        block_bytes, source = self.spec.block_bytes, f"node {self.node_id}"
+        return self._leased(hashes, lambda r: use_rows(self.arena, block_bytes, r.offsets, r.checksums, use, source))
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
         """Read the leading cached blocks of ``hashes`` into ``out`` ([>= n, *block_shape]).
@@ -296,11 +364,16 @@ class PoolClient:
         rows = out_rows(out, self.spec, hashes)
         if not hashes:
             return 0
+        source = f"node {self.node_id}"
+        return self._leased(hashes, lambda r: read_rows(self.arena, rows, r.offsets, r.checksums, source))
+
+    def _leased(self, hashes: Sequence[bytes], read: Callable[[pool_pb2.LeaseReply], int]) -> int:
+        """Lease, ``read`` (returns the leading verified blocks), release later, report a bad block."""
         reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
         if reply.lease_id == 0:
             return 0
         try:
-            good = read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+            good = read(reply)
         finally:
             self._release_later(int(reply.lease_id))
         if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node

@@ -5,10 +5,13 @@ For a decoder-only causal LM on transformers 5.x (``DynamicCache`` with
 
 1. hash the prompt's full blocks in the pool's namespace and find the longest cached prefix
    (at most ``len(prompt) - 1`` tokens, so the last token always runs and yields logits);
-2. read those blocks into one host buffer (checksummed by the pool; a bad block truncates the
-   hit and the rest is recomputed), and build a ``DynamicCache`` from them;
+2. read those blocks (checksummed by the pool; a bad block truncates the hit and the rest is
+   recomputed) and build a ``DynamicCache`` from them: a CPU model copies them straight from
+   the leased arena into the cache's per-layer K/V tensors, a GPU model through one pinned
+   host buffer and one host-to-device copy;
 3. run the model on the missed suffix only;
-4. store the prompt's new full blocks back (the pool skips ones it already has).
+4. store the prompt's new full blocks back, written from the cache straight into the put's
+   arena slots (the pool skips ones it already has).
 
 What makes a hit exact (issue 11):
 
@@ -50,10 +53,11 @@ from typing import Any
 import torch
 
 from kvpool.connectors.fingerprint import is_fingerprint, module_fingerprint
+from kvpool.connectors.paged_io import load_blocks, stage_blocks
 from kvpool.connectors.pool_api import BlockPool, pool_spec
 from kvpool.core.errors import InternalError, InvalidArgument, UnsupportedModel
 from kvpool.core.spec import KVSpec
-from kvpool.kernels.paged import blocks_to_tokens, tokens_to_blocks
+from kvpool.kernels.paged import blocks_to_tokens
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -320,6 +324,8 @@ class HFConnector:
             return cache, 0
         dtype = getattr(torch, self.spec.dtype)
         device = next(self.model.parameters()).device
+        if device.type == "cpu":
+            return self._load_in_place(cache, hashes[:want], dtype)
         # the pool writes host memory; on a GPU model stage through pinned memory, one H2D copy
         buf = torch.empty(want, *self.spec.block_shape, dtype=dtype, pin_memory=device.type == "cuda")
         got = self.pool.get_into(list(hashes[:want]), buf)
@@ -327,6 +333,24 @@ class HFConnector:
         for layer in range(self.spec.num_layers if got else 0):
             kv = blocks_to_tokens(blocks, layer)  # [2, heads, tokens, dim]
             cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), layer)
+        return cache, got
+
+    def _load_in_place(self, cache: Any, hashes: Sequence[bytes], dtype: torch.dtype) -> tuple[Any, int]:
+        """CPU model: copy the leased blocks straight from the arena into the per-layer K/V
+        tensors the cache keeps (one copy per byte, no staging buffer)."""
+        spec, t = self.spec, self.spec.block_tokens
+        kv = torch.empty(
+            spec.num_layers, spec.kv_factor, 1, spec.num_kv_heads, len(hashes) * t, spec.head_dim, dtype=dtype
+        )
+
+        def to_tokens(first: int, count: int, blocks: torch.Tensor) -> None:
+            # blocks [n, layers, kv, heads, t, d] -> kv[layers, kv, 0, heads, tokens, d]
+            dst = kv[:, :, 0, :, first * t : (first + count) * t].unflatten(3, (count, t))
+            dst.copy_(blocks.permute(1, 2, 3, 0, 4, 5))
+
+        got = load_blocks(self.pool, spec, dtype, hashes, to_tokens)
+        for layer in range(spec.num_layers if got else 0):
+            cache.update(kv[layer, 0, :, :, : got * t], kv[layer, 1, :, :, : got * t], layer)
         return cache, got
 
     def _check_cache_holds(self, cache: Any, tokens: int) -> None:
@@ -346,15 +370,20 @@ class HFConnector:
         n = end_block - first_block
         if n <= 0:
             return 0
-        t = self.spec.block_tokens
+        t, h, d = self.spec.block_tokens, self.spec.num_kv_heads, self.spec.head_dim
         dtype = getattr(torch, self.spec.dtype)
-        out = torch.empty(n, *self.spec.block_shape, dtype=dtype)
-        for layer in range(self.spec.num_layers):
-            entry = cache.layers[layer]
-            keys = entry.keys[0, :, first_block * t : end_block * t]
-            values = entry.values[0, :, first_block * t : end_block * t]
-            tokens_to_blocks(torch.stack([keys, values]).cpu(), out, layer)
-        self.pool.put(list(hashes[first_block:end_block]), out)
+
+        def to_blocks(first: int, count: int, out: torch.Tensor) -> None:
+            # each layer's K and V rows go straight into the put's slots (any device -> host, one copy)
+            lo, hi = (first_block + first) * t, (first_block + first + count) * t
+            for layer in range(self.spec.num_layers):
+                entry = cache.layers[layer]
+                for k, rows in enumerate((entry.keys, entry.values)):
+                    out[:, layer, k].copy_(rows[0, :, lo:hi].reshape(h, count, t, d).permute(1, 0, 2, 3))
+
+        staged = stage_blocks(self.pool, self.spec, dtype, hashes[first_block:end_block], to_blocks)
+        if staged is not None:
+            staged.commit()
         return n
 
     @torch.no_grad()

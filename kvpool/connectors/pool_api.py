@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from kvpool.client.blocks import BlockFill, BlockUse
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.hashing import block_hashes
@@ -44,6 +45,39 @@ class BlockPool(Protocol):
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
         """Copy the leading held blocks into ``out``, checksum-verified; returns how many."""
+        ...
+
+
+class Staged(Protocol):
+    """A put written into the pool but not visible yet (``kvpool.client.pool_client.StagedPut``)."""
+
+    @property
+    def written_blocks(self) -> int:
+        """Blocks written (the others were present or in flight)."""
+        ...
+
+    def commit(self) -> Any:
+        """Make the written blocks visible."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the written blocks."""
+        ...
+
+
+@runtime_checkable
+class SlotPool(BlockPool, Protocol):
+    """A pool whose slots a connector writes and reads in place (``PoolClient.stage_put`` /
+    ``read_with``): the engine's pages are gathered straight into the put's arena slots and
+    scattered straight from the leased bytes, with no staging buffer. Connectors fall back to
+    ``put`` / ``get_into`` with a buffer for a pool without these (``CompressedPool``)."""
+
+    def stage_put(self, hashes: Sequence[bytes], fill: BlockFill) -> Staged | None:
+        """Write blocks in place through ``fill``; None when nothing could be started (pool down)."""
+        ...
+
+    def read_with(self, hashes: Sequence[bytes], use: BlockUse) -> int:
+        """Hand the leading verified blocks to ``use`` in place; returns how many."""
         ...
 
 
@@ -122,7 +156,49 @@ class InProcessPool:
                 return i
         return len(hashes)
 
+    def stage_put(self, hashes: Sequence[bytes], fill: BlockFill) -> _StagedInProcess:
+        """``fill`` writes the new blocks into private rows, stored on ``commit``."""
+        todo = [i for i, h in enumerate(hashes) if h not in self._blocks]
+        rows = np.empty((len(hashes), self.spec.block_bytes), dtype=np.uint8)
+        for i in todo:  # one block per call: the pool's slots need not be adjacent
+            fill(i, 1, rows[i : i + 1])
+        return _StagedInProcess(self, [(hashes[i], rows[i].tobytes()) for i in todo])
+
+    def read_with(self, hashes: Sequence[bytes], use: BlockUse) -> int:
+        """Hand the leading held, verified blocks to ``use`` one at a time; returns how many."""
+        for i, h in enumerate(hashes):
+            entry = self._blocks.get(h)
+            if entry is None or checksum64(entry[0]) != entry[1]:
+                return i
+            row = np.frombuffer(entry[0], dtype=np.uint8).reshape(1, -1)  # read-only, like the arena
+            use(i, 1, row)
+        return len(hashes)
+
     def corrupt(self, h: bytes) -> None:
         """Flip one byte of a stored block without fixing its checksum (fault injection for tests)."""
         data, check = self._blocks[h]
         self._blocks[h] = (bytes([data[0] ^ 0xFF]) + data[1:], check)
+
+
+class _StagedInProcess:
+    def __init__(self, pool: InProcessPool, blocks: list[tuple[bytes, bytes]]) -> None:
+        self._pool, self._blocks = pool, blocks
+
+    @property
+    def written_blocks(self) -> int:
+        return len(self._blocks)
+
+    def commit(self) -> int:
+        stored = 0
+        for h, data in self._blocks:
+            if h in self._pool._blocks:
+                continue
+            while len(self._pool._blocks) >= self._pool.capacity_blocks:
+                del self._pool._blocks[next(iter(self._pool._blocks))]
+            self._pool._blocks[h] = (data, checksum64(data))
+            stored += 1
+        self._blocks = []
+        return stored
+
+    def abort(self) -> None:
+        self._blocks = []

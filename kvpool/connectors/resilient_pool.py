@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from kvpool.connectors.pool_api import BlockPool
+from kvpool.client.blocks import BlockFill, BlockUse
+from kvpool.connectors.pool_api import BlockPool, SlotPool, Staged
 from kvpool.core.clock import Clock
 from kvpool.core.errors import DeadlineExceeded, Unavailable
 from kvpool.core.hashing import block_hashes
@@ -146,6 +147,19 @@ class ResilientPool:
         if not hashes:
             return None
         return self._call(lambda c: c.put(hashes, blocks), None)
+
+    def stage_put(self, hashes: Sequence[bytes], fill: BlockFill) -> Staged | None:
+        """Write blocks in place (``PoolClient.stage_put``); None while the pool is down. The
+        client ``connect`` makes must be a ``SlotPool`` (``PoolClient`` is)."""
+        if not hashes:
+            return None
+        return self._call(lambda c: cast(SlotPool, c).stage_put(hashes, fill), None)
+
+    def read_with(self, hashes: Sequence[bytes], use: BlockUse) -> int:
+        """Hand leading verified blocks to ``use`` in place (``PoolClient.read_with``); 0 while down."""
+        if not hashes:
+            return 0
+        return self._call(lambda c: cast(SlotPool, c).read_with(hashes, use), 0)
 
     def close(self) -> None:
         """Close the underlying client, if any."""

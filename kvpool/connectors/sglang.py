@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import xxhash
 
+from kvpool.connectors.paged_io import load_blocks, stage_blocks
 from kvpool.connectors.pool_api import BlockPool, pool_spec
 from kvpool.core.errors import InvalidArgument, SpecMismatch, UnsupportedModel
 from kvpool.core.spec import KVSpec, Namespace
@@ -166,7 +167,7 @@ class HiCachePoolLogic:
                 f"holds {self.page_elems} x {self.dtype}",
                 hint="configure the backend with the model's layers, local kv heads, head_dim and page size",
             )
-        return value.detach().cpu().contiguous().reshape(1, *self.spec.block_shape)
+        return value.detach().reshape(self.spec.block_shape)  # a view where the page is contiguous
 
     def exists(self, key: str) -> bool:
         """Whether the page named by ``key`` is in the pool."""
@@ -190,8 +191,15 @@ class HiCachePoolLogic:
             raise InvalidArgument(f"{len(keys)} keys, {len(values)} values")
         if not keys:
             return True
-        blocks = torch.cat([self._as_block(v) for v in values])
-        self.pool.put(self._hashes(keys), blocks)
+        pages = [self._as_block(v) for v in values]  # every page checked before anything is written
+
+        def to_slots(first: int, count: int, out: torch.Tensor) -> None:
+            for k in range(count):  # each page straight into its arena slot (from any device)
+                out[k].copy_(pages[first + k])
+
+        staged = stage_blocks(self.pool, self.spec, self.dtype, self._hashes(keys), to_slots)
+        if staged is not None:
+            staged.commit()
         return True
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -206,16 +214,19 @@ class HiCachePoolLogic:
         out: list[torch.Tensor | None] = [None] * len(keys)
         if not keys:
             return out
-        buf = torch.empty(len(keys), *self.spec.block_shape, dtype=self.dtype)
-        got = self.pool.get_into(self._hashes(keys), buf)
-        for i in range(got):
-            page = buf[i].reshape(-1)
-            if target_locations is not None and target_locations[i] is not None:
-                target = target_locations[i]
-                target.view(-1).copy_(page)
-                out[i] = target
-            else:
-                out[i] = page
+
+        def to_pages(first: int, count: int, blocks: torch.Tensor) -> None:
+            # verified pages go straight from the arena into SGLang's host pages (or a new tensor)
+            for k in range(count):
+                i, page = first + k, blocks[k].reshape(-1)
+                target = target_locations[i] if target_locations is not None else None
+                if target is not None:
+                    target.view(-1).copy_(page)
+                    out[i] = target
+                else:
+                    out[i] = page.clone()
+
+        load_blocks(self.pool, self.spec, self.dtype, self._hashes(keys), to_pages)
         return out
 
 

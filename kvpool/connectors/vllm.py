@@ -17,13 +17,16 @@ become complete in this step, past what the pool already had) to the workers.
 
 Worker side: ``register_kv_caches`` reads the layout from what vLLM reports — the
 attention backend of each layer and the registered ``[B, H, N, C]`` tensors
-(``vllm_layout``) — and refuses what it does not know. ``start_load_kv`` reads blocks from
-the pool and scatters them into the pages (synchronously, before the forward); a block
-that fails verification (or a pool that vanished) is not scattered and its block ids are
-reported by ``get_block_ids_with_load_errors`` so vLLM recomputes them. ``wait_for_save``
-gathers the completed blocks into a private buffer (the only part on the engine's step)
-and queues the put for a background writer thread, so checksumming and copying into the
-pool never stall the step; a full queue drops the save (counted: the pool is a cache).
+(``vllm_layout``) — and refuses what it does not know. ``start_load_kv`` leases blocks and
+scatters them from the arena straight into the pages (synchronously, before the forward;
+``paged_io.load_blocks``: each run verified right before it is scattered, no staging
+buffer); a block that fails verification (or a pool that vanished) is not scattered and
+its block ids are reported by ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+``wait_for_save`` starts a put and gathers the completed blocks straight into its arena
+slots, checksummed as they are written (on the engine's step: vLLM may reuse the pages
+after it), and queues the commit for a background thread, so the commit round trip and
+the node's verification never stall the step; more than ``max_pending_save_bytes`` staged
+and not committed drops the save (counted: the pool is a cache).
 
 Anything unsupported (see ``vllm_spec``) or a pool that is not there makes the connector
 inert with one clear log line and vLLM serves on without it, unless the option
@@ -44,7 +47,8 @@ from typing import Any
 
 import torch
 
-from kvpool.connectors.pool_api import BlockPool
+from kvpool.connectors.paged_io import load_blocks, stage_blocks
+from kvpool.connectors.pool_api import BlockPool, Staged
 from kvpool.connectors.vllm_layout import VllmCacheLayout, describe_caches, kv_view, manager_to_kernel_pages
 from kvpool.core.errors import InvalidArgument, KVPoolError
 from kvpool.core.spec import KVSpec
@@ -110,54 +114,72 @@ def layer_order(names: Sequence[str]) -> list[str]:
 
 
 class BackgroundSaver:
-    """One named thread that puts gathered blocks into the pool, bounded by queued bytes."""
+    """One named thread that commits staged saves, bounded by the bytes staged and not yet committed.
+
+    The caller stages a save on its own thread (the engine step: its pages are gathered
+    straight into the put's arena slots, ``paged_io.stage_blocks``, because vLLM may reuse
+    them after the step); the commit round trip, and the node's verification of the bytes,
+    run here, off the step.
+    """
 
     def __init__(self, pool: BlockPool, max_pending_bytes: int, stats: ConnectorStats) -> None:
-        """Puts blocks into ``pool`` on one background thread, holding at most ``max_pending_bytes`` of copies
-        (more is dropped and counted in ``stats``: a save is an optimisation, never a stall).
+        """Commits saves to ``pool`` on one background thread, with at most ``max_pending_bytes``
+        staged and not committed (more is dropped and counted in ``stats``: a save is an
+        optimisation, never a stall).
         """
         self._pool = pool
         self._max_pending_bytes = max_pending_bytes
         self._stats = stats
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[list[bytes], torch.Tensor] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, Staged] | None] = queue.SimpleQueue()
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="kvpool-vllm-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, hashes: list[bytes], blocks: torch.Tensor) -> bool:
-        """Queue one put; False (and counted) when the queue is full."""
-        nbytes = blocks.numel() * blocks.element_size()
+    def submit(self, hashes: Sequence[bytes], nbytes: int, stage: Callable[[], Staged | None]) -> bool:
+        """Run ``stage`` now (it writes the blocks of ``hashes``, ``nbytes`` in all) and queue
+        its commit; False (and counted, ``stage`` not run) when that would exceed the bound."""
         with self._lock:
             if self._pending_bytes + nbytes > self._max_pending_bytes:
                 self._stats.dropped_save_blocks += len(hashes)
                 return False
             self._pending_bytes += nbytes
-        self._queue.put((hashes, blocks))
+        try:
+            staged = stage()
+        except BaseException:
+            self._done(nbytes)
+            raise
+        if staged is None:  # the pool is down: nothing was written
+            self._done(nbytes)
+            return False
+        self._queue.put((len(hashes), nbytes, staged))
         return True
+
+    def _done(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= nbytes
+            self._idle.notify_all()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            hashes, blocks = item
+            count, nbytes, staged = item
             try:
-                self._pool.put(hashes, blocks)
-                self._stats.saved_blocks += len(hashes)
+                staged.commit()
+                self._stats.saved_blocks += count
             except KVPoolError as err:  # a refused put is a lost cache entry, never an engine error
-                log.warning("kvpool: a save of %d blocks failed: %s", len(hashes), err)
-                self._stats.dropped_save_blocks += len(hashes)
+                log.warning("kvpool: a save of %d blocks failed: %s", count, err)
+                self._stats.dropped_save_blocks += count
             finally:
-                with self._lock:
-                    self._pending_bytes -= blocks.numel() * blocks.element_size()
-                    self._idle.notify_all()
+                self._done(nbytes)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued save is written (tests, shutdown)."""
+        """Wait until every queued save is committed (tests, shutdown)."""
         with self._lock:
             return self._idle.wait_for(lambda: self._pending_bytes == 0, timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the queued puts (up to ``timeout_s``) and stop the thread."""
+        """Finish the queued commits (up to ``timeout_s``) and stop the thread."""
         self.drain(timeout_s)
         self._queue.put(None)
         self._thread.join(timeout_s)
@@ -329,13 +351,17 @@ class VllmPoolConnectorLogic:
             return
         t0 = time.perf_counter()
         assert self._paged is not None, "register_kv_caches first"
+        paged, views = self._paged, self._views
         for load in metadata.loads:
             n = len(load.hashes)
-            buf = self._buffer(n)
-            got = self.pool.get_into(list(load.hashes), buf)
-            if got:
-                pages = self._kernel_pages(load.page_ids[: got * self.pages_per_block])
-                scatter_blocks(self.spec, self._paged, buf, self._views, pages, got)
+            pages = self._kernel_pages(load.page_ids)
+            per = len(pages) // n  # kernel pages per pool block
+
+            def scatter(first: int, count: int, blocks: torch.Tensor, pages: list[int] = pages, per: int = per) -> None:
+                scatter_blocks(self.spec, paged, blocks, views, pages[first * per : (first + count) * per], count)
+
+            # straight from the leased arena bytes into the pages, each run verified first
+            got = load_blocks(self.pool, self.spec, views[0].dtype, load.hashes, scatter)
             self.stats.load_blocks += got
             if got < n:  # failed verification, evicted, or the pool is gone: vLLM recomputes these
                 self.stats.load_failed_blocks += n - got
@@ -353,19 +379,33 @@ class VllmPoolConnectorLogic:
         assert self._paged is not None, "register_kv_caches first"
         try:
             if self.tp_size == 1:
+                paged, views = self._paged, self._views
                 for save in metadata.saves:
-                    n = len(save.hashes)
-                    buf = self._buffer(n)
-                    gather_blocks(self.spec, self._paged, self._views, self._kernel_pages(save.page_ids), buf, n)
-                    self._submit(list(save.hashes), buf)
+                    pages = self._kernel_pages(save.page_ids)
+                    per = len(pages) // len(save.hashes)
+
+                    def gather(
+                        first: int, count: int, out: torch.Tensor, pages: list[int] = pages, per: int = per
+                    ) -> None:
+                        gather_blocks(self.spec, paged, views, pages[first * per : (first + count) * per], out, count)
+
+                    self._submit(save.hashes, gather)
                 return
             self._save_tp(metadata)
         finally:
             self.stats.save_s += time.perf_counter() - t0
 
-    def _submit(self, hashes: list[bytes], blocks: torch.Tensor) -> None:
-        if self._saver is not None:
-            self._saver.submit(hashes, blocks)
+    def _submit(self, hashes: Sequence[bytes], write: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Gather the blocks of ``hashes`` with ``write`` straight into the put's arena slots,
+        now (on the step), and leave the commit to the saver thread."""
+        if self._saver is None:
+            return
+        dtype = self._views[0].dtype
+        self._saver.submit(
+            hashes,
+            len(hashes) * self.spec.block_bytes,
+            lambda: stage_blocks(self.pool, self.spec, dtype, hashes, write),
+        )
 
     def _save_tp(self, metadata: ConnectorMetadata) -> None:
         assert self._paged is not None
@@ -385,8 +425,12 @@ class VllmPoolConnectorLogic:
                 raise InvalidArgument(
                     f"head_allgather returned {tuple(full.shape)}, not [{n}, *{self.spec.block_shape}]"
                 )
-            if self.tp_rank == 0:
-                self._submit(list(save.hashes), full.cpu().contiguous())
+            if self.tp_rank == 0:  # one copy from the gathered heads (any device) into the slots
+
+                def put_full(first: int, count: int, out: torch.Tensor, full: torch.Tensor = full) -> None:
+                    out.copy_(full[first : first + count])
+
+                self._submit(save.hashes, put_full)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""

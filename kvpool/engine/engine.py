@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.connectors.paged_io import load_blocks, stage_blocks
 from kvpool.connectors.pool_api import BlockPool, pool_spec
 from kvpool.core.errors import CapacityExhausted, InvalidArgument
 from kvpool.engine.model import ModelConfig, RefModel
@@ -214,11 +215,15 @@ class Engine:
         want = self.pool.lookup(hashes[:usable]) if usable else 0
         if want == 0:
             return
-        buf = torch.empty(want, *self.spec.block_shape, dtype=self.kv_caches[0].dtype)
-        got = self.pool.get_into(hashes[:want], buf)
+        ppb = t // self.config.page_tokens
+
+        def scatter(first: int, count: int, blocks: torch.Tensor) -> None:
+            pages = req.pages[first * ppb : (first + count) * ppb]
+            scatter_blocks(self.spec, self.layout, blocks, self.kv_caches, pages, count)
+
+        # straight from the leased arena bytes into the pages (verified run by run), no buffer
+        got = load_blocks(self.pool, self.spec, self.kv_caches[0].dtype, hashes[:want], scatter)
         self.load_errors += want - got
-        if got:
-            scatter_blocks(self.spec, self.layout, buf, self.kv_caches, req.pages, got)
         req.computed = req.hit_tokens = got * t
 
     def _store_prompt(self, req: Request) -> None:
@@ -231,9 +236,15 @@ class Engine:
             return
         # gather only the blocks the pool does not hold yet: block i starts at page i * ppb
         ppb = t // self.config.page_tokens
-        buf = torch.empty(full - first, *self.spec.block_shape, dtype=self.kv_caches[0].dtype)
-        gather_blocks(self.spec, self.layout, self.kv_caches, req.pages[first * ppb :], buf, full - first)
-        self.pool.put(req.prompt_hashes[first:full], buf)
+
+        def gather(start: int, count: int, out: torch.Tensor) -> None:
+            pages = req.pages[(first + start) * ppb : (first + start + count) * ppb]
+            gather_blocks(self.spec, self.layout, self.kv_caches, pages, out, count)
+
+        # straight into the put's arena slots, checksummed as they are written; then visible
+        staged = stage_blocks(self.pool, self.spec, self.kv_caches[0].dtype, req.prompt_hashes[first:full], gather)
+        if staged is not None:
+            staged.commit()
 
     # -- one step -----------------------------------------------------------------------
     def _slots(self, req: Request, upto: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.client import blocks as blocks_mod
-from kvpool.client.blocks import adjacent_runs, read_rows, write_rows
+from kvpool.client.blocks import adjacent_runs, fill_slots, read_rows, use_rows, write_rows
 from kvpool.core.arena_map import PutWindow
 from kvpool.core.checksum import checksum64
 
@@ -53,6 +53,15 @@ def test_runs_join_blocks_adjacent_on_both_sides_up_to_a_piece(small_pieces: int
     assert adjacent_runs([0, 4096], [0, 1], 4096) == [(0, 1), (1, 1)]  # a block larger than a piece: alone
 
 
+def _layout(block_bytes: int, order: list[int], gaps: list[bool]) -> tuple[list[int], np.ndarray]:
+    """Slot offsets (some adjacent, some a block apart, in ``order``) and a zeroed arena holding them."""
+    offsets, cursor = [], 0
+    for gap in gaps:
+        offsets.append(cursor)
+        cursor += block_bytes + (block_bytes if gap else 0)
+    return [offsets[i] for i in order], np.zeros(cursor, dtype=np.uint8)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     block_bytes=st.sampled_from([64, 300, 1000, 2500]),
@@ -68,12 +77,7 @@ def test_read_and_write_rows_round_trip_with_true_checksums(
     old = blocks_mod.COPY_PIECE_BYTES
     blocks_mod.COPY_PIECE_BYTES = 1000
     try:
-        offsets, cursor = [], 0
-        for gap in gaps:
-            offsets.append(cursor)
-            cursor += block_bytes + (block_bytes if gap else 0)
-        offsets = [offsets[i] for i in order]
-        arena = np.zeros(cursor, dtype=np.uint8)
+        offsets, arena = _layout(block_bytes, order, gaps)
         rows = np.random.default_rng(seed).integers(0, 256, (8, block_bytes), dtype=np.uint8)
         sums = write_rows(arena, rows, list(range(8)), offsets)
         assert sums == [checksum64(rows[i]) for i in range(8)]
@@ -116,3 +120,46 @@ def test_write_rows_through_a_put_window_in_runs(small_pieces: int) -> None:
             assert np.array_equal(back[off : off + bb], row)
     finally:
         os.close(fd)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_bytes=st.sampled_from([64, 300, 1000, 2500]),
+    order=st.permutations(list(range(8))),
+    gaps=st.lists(st.booleans(), min_size=8, max_size=8),
+    bad=st.one_of(st.none(), st.integers(0, 7)),
+    seed=st.integers(0, 1000),
+)
+def test_fill_slots_and_use_rows_hand_out_every_slot_once_with_true_checksums(
+    block_bytes: int, order: list[int], gaps: list[bool], bad: int | None, seed: int
+) -> None:
+    """The in-place path (connectors): ``fill`` is asked for every slot exactly once, in
+    runs of adjacent slots; the checksums are the one-shot xxh3-64 of what it wrote; ``use``
+    sees exactly the verified leading blocks, in order, and nothing from a bad block on."""
+    old = blocks_mod.ENGINE_RUN_BYTES
+    blocks_mod.ENGINE_RUN_BYTES = 1000
+    try:
+        offsets, arena = _layout(block_bytes, order, gaps)
+        rows = np.random.default_rng(seed).integers(0, 256, (8, block_bytes), dtype=np.uint8)
+        asked: list[int] = []
+
+        def fill(first: int, count: int, slots: np.ndarray) -> None:
+            assert slots.shape == (count, block_bytes)
+            assert count == 1 or count * block_bytes <= 1000
+            asked.extend(range(first, first + count))
+            slots[:] = rows[first : first + count]
+
+        sums = fill_slots(arena, block_bytes, list(range(8)), offsets, fill)
+        assert sorted(asked) == list(range(8)) and sums == [checksum64(rows[i]) for i in range(8)]
+        if bad is not None:
+            arena[offsets[bad] + block_bytes // 2] ^= 0x40
+        seen: list[int] = []
+
+        def use(first: int, count: int, got: np.ndarray) -> None:
+            assert np.array_equal(got, rows[first : first + count])
+            seen.extend(range(first, first + count))
+
+        good = use_rows(arena, block_bytes, offsets, sums, use, "test")
+        assert good == (8 if bad is None else bad) and seen == list(range(good))
+    finally:
+        blocks_mod.ENGINE_RUN_BYTES = old

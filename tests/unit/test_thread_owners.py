@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvpool.connectors.paged_io import stage_blocks
 from kvpool.connectors.pool_api import InProcessPool
 from kvpool.connectors.vllm import BackgroundSaver, ConnectorStats
 from kvpool.core.clock import FakeClock
@@ -131,7 +132,12 @@ def test_the_vllm_background_saver_is_joined_by_stop() -> None:
     saver = BackgroundSaver(pool, 1 << 20, ConnectorStats())
     assert alive("kvpool-vllm-saver") == {"kvpool-vllm-saver"}
     hashes = pool.hashes(list(range(16)))
-    assert saver.submit(hashes, torch.zeros((1, *SPEC.block_shape), dtype=torch.float16))
+    block = torch.zeros((1, *SPEC.block_shape), dtype=torch.float16)
+    assert saver.submit(
+        hashes,
+        SPEC.block_bytes,
+        lambda: stage_blocks(pool, SPEC, torch.float16, hashes, lambda f, c, out: out.copy_(block)),
+    )
     saver.stop()
     assert alive("kvpool-vllm-saver") == set() and pool.lookup(hashes) == 1
 
