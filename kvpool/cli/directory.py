@@ -5,6 +5,8 @@ its state lives in RocksDB and a restarted directory answers at once.
 
 Example:
   kvpool directory --listen 127.0.0.1:7440 --data-dir /var/lib/kvpool/dir --etcd 127.0.0.1:2379
+  kvpool directory --listen 10.0.0.2:7440 --credentials creds.toml --cluster-token-file cluster.token \
+                   --tls-cert-file dir.pem --tls-key-file dir.key --node-tls-ca ca.pem
 """
 
 from __future__ import annotations
@@ -37,7 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cluster-token-file", default="", help="file holding the cluster token, presented to nodes on forwards"
     )
     parser.add_argument(
-        "--insecure", action="store_true", help="allow a non-loopback --listen without credentials (trusted net)"
+        "--tls-cert-file", default="", help="PEM certificate chain: serve TLS on --listen (default: plaintext)"
+    )
+    parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--node-tls-ca",
+        default="",
+        metavar="FILE",
+        help="PEM CA of the nodes' TLS control planes (removes and pins are forwarded there); default: plaintext",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen without credentials and TLS (a trusted network only)",
     )
     parser.add_argument(
         "--metrics-listen",
@@ -65,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             election_ttl_s=args.election_ttl_s,
             credentials_file=args.credentials,
             cluster_token_file=args.cluster_token_file,
+            tls_cert_file=args.tls_cert_file,
+            tls_key_file=args.tls_key_file,
+            node_tls_ca_file=args.node_tls_ca,
             insecure=args.insecure,
             metrics_listen=args.metrics_listen,
         )

@@ -123,6 +123,7 @@ class ClusterConfig:
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
     token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
+    directory_tls_ca: str = ""  # PEM CA of a TLS directory (docs/security.md); "" = dial it in plaintext
     # TLS on the TCP data plane with the control plane's --tls-cert-file / --tls-key-file
     # (docs/security.md "Data-plane TLS": costs throughput; UCX / NIXL bytes stay in the clear)
     data_tls: bool = False

@@ -33,7 +33,7 @@ from kvpool.directory.link import DirectoryLink
 from kvpool.directory.membership import Membership
 from kvpool.directory.state import TIER_CODES
 from kvpool.proto import directory_pb2
-from kvpool.rpc.credentials import load_token
+from kvpool.rpc.credentials import load_root_certs, load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
 from kvpool.transport.tls import server_tls_context
@@ -178,7 +178,11 @@ class ClusterAgent:
             self.membership.start(self.supervisor.fail, first_round_s=self.etcd.timeout_s * 2)
         if self.cluster.directory_list or self.etcd is not None:
             self.link = DirectoryLink(
-                self.cluster.directory_list, self.etcd, self.cluster.cluster, token=load_token(self.cluster.token_file)
+                self.cluster.directory_list,
+                self.etcd,
+                self.cluster.cluster,
+                token=load_token(self.cluster.token_file),
+                root_certs=load_root_certs(self.cluster.directory_tls_ca, "directory's CA certificate"),
             )
             self.supervisor.spawn("directory-sync", self._sync_loop)
         if self.cluster.kv_events_endpoint:

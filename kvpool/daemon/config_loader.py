@@ -416,6 +416,14 @@ OPTIONS: list[Option] = [
         "(its sha256 is [cluster] token_sha256 there).",
         default_means="none",
     ),
+    Option(
+        "--directory-tls-ca",
+        "cluster.directory_tls_ca",
+        str,
+        "PEM CA certificate of a directory that serves TLS (its --tls-cert-file, or the CA that signed "
+        "it): the node then dials the directory over TLS. See docs/security.md.",
+        default_means="none (plaintext)",
+    ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp, ucx or nixl (docs/cluster.md)."),
     Option(
         "--data-tls",

@@ -33,7 +33,7 @@ from kvpool.core.hashing import pack_hashes, unpack_hashes
 from kvpool.core.keys import BLOCK_KEY_BYTES, block_keys, check_namespace, group_by_namespace
 from kvpool.directory.state import DirectoryState, EventIn, NodeRecord
 from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
-from kvpool.rpc.auth import Metadata, call_metadata, principal_of
+from kvpool.rpc.auth import Metadata, call_metadata, make_channel, principal_of
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error, typed_handler
 
@@ -79,10 +79,13 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         credentials: Credentials | None = None,
         cluster_token: str = "",
+        node_root_certs: bytes | None = None,
     ) -> None:
         """``credentials``: who may call (None: everyone, the loopback default);
-        ``cluster_token``: presented to nodes when forwarding removes and pins."""
+        ``cluster_token``: presented to nodes when forwarding removes and pins, over TLS
+        verified against ``node_root_certs`` when given (nodes with --tls-cert-file)."""
         self.credentials = credentials
+        self._node_root_certs = node_root_certs
         self._node_metadata: Metadata | None = call_metadata(cluster_token)
         self.state = state
         self._is_leader = is_leader
@@ -122,7 +125,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         with self._stubs_lock:
             stub = self._stubs.get(address)
             if stub is None:
-                stub = pool_pb2_grpc.PoolStub(grpc.insecure_channel(address, options=channel_options(64 << 20)))
+                channel = make_channel(address, channel_options(64 << 20), self._node_root_certs)
+                stub = pool_pb2_grpc.PoolStub(channel)
                 self._stubs[address] = stub
             return stub
 
