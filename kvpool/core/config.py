@@ -196,6 +196,9 @@ class DaemonConfig:
     # request items (hashes) each block a Lookup / Lease finds costs, billed after the call
     # (fairness.TenantGate.charge); 0 = calls cost by their request size only
     tenant_walk_cost_items: int = 8
+    # request items every call costs besides its own (fairness.TenantGate call_rate_units): a
+    # flood of small calls is rate-limited too; 0 = calls under 1,024 items are never rate-limited
+    tenant_call_cost_items: int = 64
     tenant_wait_ms: int = 200
 
     def __post_init__(self) -> None:
@@ -214,6 +217,7 @@ class DaemonConfig:
             self.tenant_max_calls,
             self.tenant_wait_ms,
             self.tenant_walk_cost_items,
+            self.tenant_call_cost_items,
         )
         if min(tenant_limits) < 0:
             raise InvalidArgument("the --tenant-* limits must be >= 0")

@@ -352,6 +352,14 @@ OPTIONS: list[Option] = [
         "0 = bill calls by their request size only.",
     ),
     Option(
+        "--tenant-call-cost-items",
+        "tenant_call_cost_items",
+        int,
+        "per-tenant fairness: every call also costs this many hashes against the tenant's rate (the "
+        "work of receiving and answering it), so a flood of small calls is rate-limited too. "
+        "0 = calls under 1,024 hashes are never rate-limited.",
+    ),
+    Option(
         "--tenant-max-calls",
         "tenant_max_calls",
         int,

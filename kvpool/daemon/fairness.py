@@ -23,9 +23,12 @@ admin and cluster credentials are not gated):
 - a tenant may spend at most ``rate_units_per_s`` units per second on bulk (the units of
   a call beyond its first: a token bucket holding one budget, so bursts up to
   ``budget_units`` pass at once); a call past it waits for the tokens, up to ``wait_ms``,
-  then is refused. Calls of one unit (under 1,024 items) are never rate-limited: a
-  tenant making many small calls is bounded by its worker threads, not by a call rate
-  that a busy engine could reach. A refused call has still waited: a tenant that
+  then is refused. **Every** call also pays ``call_rate_units`` (a fraction of a unit:
+  ``--tenant-call-cost-items`` / 1024) into the bucket, and every call waits while its
+  tenant's bucket is empty, so a flood of small calls is bounded by the rate too (its
+  per-call cost: receiving, decoding, answering), and so is a tenant in debt for walked
+  blocks; the fraction is small enough that an engine's call rate (thousands a second)
+  never meets it. A refused call has still waited: a tenant that
   retries at once is slowed down by its own refusals (the daemon still pays for
   receiving each message: see docs/security.md for what this does not stop);
 - work a call does that its request does not show (the blocks a hit lookup or a lease
@@ -84,8 +87,12 @@ class TenantGate:
         wait_ms: float,
         rate_units_per_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        call_rate_units: float = 0.0,
     ) -> None:
+        """``call_rate_units``: what every call pays into its tenant's token bucket besides its
+        bulk (0: calls of one unit are never rate-limited, the rule before)."""
         self.budget_units = budget_units
+        self.call_rate_units = max(0.0, call_rate_units)
         self.max_requests = max(1, max_requests)
         self.wait_s = max(0.0, wait_ms) / 1000.0
         self.rate_units_per_s = max(0.0, rate_units_per_s)
@@ -153,7 +160,8 @@ class TenantGate:
                 now = self._clock()
                 if deadline is None:
                     deadline = now + self.wait_s
-                bucket = self._tokens(tenant, now) if self.rate_units_per_s and cost > 1 else None
+                rated = self.rate_units_per_s and (cost > 1 or self.call_rate_units)
+                bucket = self._tokens(tenant, now) if rated else None
                 fits = share.cost == 0 or share.cost + cost <= self.budget_units
                 if share.queue[0] == ticket and fits and (bucket is None or bucket[0] > 0):
                     break
@@ -176,7 +184,8 @@ class TenantGate:
             if now > deadline - self.wait_s:
                 self.waited += 1
             if bucket is not None:
-                bucket[0] -= min(cost, self.budget_units) - 1  # the bulk part; a call alone owes one budget at most
+                # the bulk part and the per-call part; a call alone owes one budget at most
+                bucket[0] -= min(cost, self.budget_units) - 1 + self.call_rate_units
             share.cost += cost
             self.admitted += 1
             self._cond.notify_all()  # the next in line may fit beside this one

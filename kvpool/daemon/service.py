@@ -46,7 +46,7 @@ from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, 
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
 from kvpool.core.keys import NAMESPACE_BYTES, BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
-from kvpool.daemon.fairness import TenantGate, request_cost
+from kvpool.daemon.fairness import COST_ITEMS_PER_UNIT, TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import principal_of
@@ -100,7 +100,7 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
                 with self.gate.admit(tenant, units, method.__name__):
                     reply = method(self, request, context)
                 # the blocks it walked, billed now that they are known (fairness.TenantGate.charge)
-                self.gate.charge(tenant, self._walk_units(request, units))
+                self.gate.charge(tenant, self._walk_units())
                 return reply
             except KVPoolError as err:
                 if method.__name__ == "Lease":  # why a reader got nothing: kvpool inspect lookup says
@@ -139,21 +139,25 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self.admin_enabled = node.config.admin_enabled
         cfg = node.config
         self.gate = TenantGate(
-            cfg.tenant_budget_units, cfg.tenant_calls, cfg.tenant_wait_ms, rate_units_per_s=cfg.tenant_rate_units_per_s
+            cfg.tenant_budget_units,
+            cfg.tenant_calls,
+            cfg.tenant_wait_ms,
+            rate_units_per_s=cfg.tenant_rate_units_per_s,
+            call_rate_units=cfg.tenant_call_cost_items / COST_ITEMS_PER_UNIT,
         )
         self._current = threading.local()  # the principal ``gated`` identified for this thread's call
 
     # helpers
-    def _walk_units(self, request: Any, admitted_units: int) -> int:
-        """Cost units of the blocks this thread's call walked (``_current.walked``) beyond what
-        its request was admitted for: ``1 + (hashes + walk_cost x walked) / 1024`` less the
-        admission cost. Calls that walked fewer than about 100 blocks owe nothing more."""
+    def _walk_units(self) -> float:
+        """Cost units of the blocks this thread's call walked (``_current.walked``), billed
+        after the call: ``walk_cost x walked / 1024``, a fraction for a short walk (so a flood
+        of small lookups that hit pays for its walks too; before, walks under about 100 blocks
+        owed nothing)."""
         walked = int(getattr(self._current, "walked", 0))
         weight = self.node.config.tenant_walk_cost_items
         if not walked or not weight:
-            return 0
-        items = len(getattr(request, "hashes", b"")) // 16
-        return max(0, request_cost(items + weight * walked) - admitted_units)
+            return 0.0
+        return weight * walked / COST_ITEMS_PER_UNIT
 
     def _caller(self, context: grpc.ServicerContext) -> Principal:
         if getattr(self._current, "context", None) is context:
