@@ -154,8 +154,8 @@ def test_the_blocks_a_lookup_finds_are_billed_to_its_tenant(daemon_factory: Any)
                 assert stub.Lookup(big_a, timeout=10).hits == 2048  # A's bucket is its own
             # small calls wait out their tenant's debt too (every call pays into the rate): typed
             # TENANT_BUSY meanwhile, then served
-            assert eventually(lambda: small_lookup(a, hashes_a) == 64, timeout_s=30)
-            assert eventually(lambda: small_lookup(b, hashes_b) == 64, timeout_s=30)
+            for client, hashes in ((a, hashes_a), (b, hashes_b)):
+                assert eventually(lambda c=client, h=hashes: small_lookup(c, h) == 64, timeout_s=30)
         daemon.stop()
 
 
