@@ -15,6 +15,18 @@ import argparse
 import logging
 import sys
 
+from kvpool.core.fairness import TenantLimits
+
+#: the node's per-tenant fairness options, for the directory's calls (docs/security.md)
+TENANT_FLAGS = (
+    ("--tenant-budget-units", "per-tenant fairness: cost units one tenant may have in flight; 0 = off"),
+    ("--tenant-rate-units-per-s", "cost units one tenant may spend per second; 0 = no rate"),
+    ("--tenant-max-calls", "calls one tenant may have in the directory; 0 = half of its workers"),
+    ("--tenant-wait-ms", "how long a call past its tenant's share waits before TENANT_BUSY"),
+    ("--tenant-walk-cost-items", "hashes each block a Lookup finds costs, billed after it"),
+    ("--tenant-call-cost-items", "hashes every call costs besides its own (small calls rate-limited too)"),
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:7440", help="gRPC address, HOST:PORT (default 127.0.0.1:7440)")
@@ -53,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --listen without credentials and TLS (a trusted network only)",
     )
+    defaults = TenantLimits()
+    for flag, help_text in TENANT_FLAGS:
+        attr = flag.removeprefix("--tenant-").replace("-", "_")
+        parser.add_argument(flag, type=int, default=getattr(defaults, attr), help=f"{help_text} (default %(default)s)")
     parser.add_argument(
         "--metrics-listen",
         default="",
@@ -84,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
             node_tls_ca_file=args.node_tls_ca,
             insecure=args.insecure,
             metrics_listen=args.metrics_listen,
+            tenant=TenantLimits(
+                budget_units=args.tenant_budget_units,
+                rate_units_per_s=args.tenant_rate_units_per_s,
+                max_calls=args.tenant_max_calls,
+                wait_ms=args.tenant_wait_ms,
+                walk_cost_items=args.tenant_walk_cost_items,
+                call_cost_items=args.tenant_call_cost_items,
+            ),
         )
         server = DirectoryServer(config)
         server.start()

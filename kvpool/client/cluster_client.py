@@ -50,7 +50,15 @@ from kvpool.client.blocks import block_rows
 from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hello_request
 from kvpool.client.tickets import NodeTickets
 from kvpool.core.clock import Clock, MonotonicClock
-from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, TlsFailed, Unavailable
+from kvpool.core.errors import (
+    InvalidArgument,
+    KVPoolError,
+    NotFound,
+    NotLeader,
+    TenantBusy,
+    TlsFailed,
+    Unavailable,
+)
 from kvpool.core.hashing import block_hashes, pack_hashes
 from kvpool.core.retry import RetryPolicy
 from kvpool.core.spec import KVSpec, Namespace
@@ -163,7 +171,7 @@ class ClusterClient:
             "failed_runs": 0,
             "retried_runs": 0,
             "replicated_blocks": 0,
-            "directory_down_reads": 0,  # reads answered without the directory (failover)
+            "directory_down_reads": 0,  # reads answered without the directory (failover, or TENANT_BUSY)
             "failover_put_waits": 0,  # puts that waited for a directory leader
             "failover_call_waits": 0,  # connect/remove/pin/stats calls that waited for one
             "reported_corrupt": 0,  # blocks that arrived failing their checksum, reported to their node
@@ -378,7 +386,7 @@ class ClusterClient:
             return 0
         try:
             return len(self.locate(hashes)[0])
-        except (Unavailable, NotLeader) as err:
+        except (Unavailable, NotLeader, TenantBusy) as err:  # busy: past our tenant's share of it
             log.info("directory lookup failed (%s): a miss", err)
             self.counters["directory_down_reads"] += 1
             return 0
@@ -503,7 +511,7 @@ class ClusterClient:
         if not self._directory_down():
             try:
                 holders, _ = self.locate(hashes, for_read=True)
-            except (Unavailable, NotLeader) as err:
+            except (Unavailable, NotLeader, TenantBusy) as err:
                 log.info("directory lookup failed (%s): reading from the local node only", err)
             except KVPoolError as err:
                 log.warning("directory lookup failed (%s): every block is a miss", err)

@@ -36,6 +36,7 @@ from kvpool.proto import directory_pb2
 from kvpool.rpc.credentials import load_root_certs, load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
+from kvpool.transport.shares import TransferShares
 from kvpool.transport.tls import server_tls_context
 
 log = logging.getLogger("kvpool.cluster")
@@ -163,8 +164,11 @@ class ClusterAgent:
             tls = None
             if self.cluster.data_tls:
                 tls = server_tls_context(self.config.tls_cert_file, self.config.tls_key_file)
+            shares = TransferShares(
+                self.config.tenant_data_inflight_bytes, self.config.tenant_data_transfers, self.config.tenant_wait_ms
+            )
             self.data_server = make_data_server(
-                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials, tls
+                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials, tls, shares
             )
             self.data_server.start()
             log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)

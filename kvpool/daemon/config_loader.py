@@ -373,6 +373,20 @@ OPTIONS: list[Option] = [
         "how long a call over its tenant's budget or rate waits for room before TENANT_BUSY.",
     ),
     Option(
+        "--tenant-data-inflight-bytes",
+        "tenant_data_inflight_bytes",
+        parse_bytes,
+        "per-tenant fairness on the TCP data plane: bytes of READ / WRITE transfers one tenant may have "
+        "in flight at once (a transfer alone always runs); past it a transfer waits --tenant-wait-ms, then "
+        "is answered BUSY (a miss for the reader). 0 = ungated.",
+    ),
+    Option(
+        "--tenant-data-transfers",
+        "tenant_data_transfers",
+        int,
+        "per-tenant fairness on the TCP data plane: transfers one tenant may have running or waiting at once.",
+    ),
+    Option(
         "--max-namespaces",
         "max_namespaces",
         int,

@@ -24,7 +24,7 @@ loopback default) every caller is ``ANONYMOUS``, as before.
 
 Fairness: every unary call but the stream runs inside ``TenantGate.admit`` (``gated``),
 which bounds the cost units and the worker threads one tenant has in flight
-(``kvpool/daemon/fairness.py``); a call past its tenant's share is ``TenantBusy`` having
+(``kvpool/core/fairness.py``); a call past its tenant's share is ``TenantBusy`` having
 done nothing. The tenant is the credential's tenant name, or without credentials the
 request's namespace (the connection, for calls that name none).
 """
@@ -43,10 +43,10 @@ import grpc
 
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
+from kvpool.core.fairness import request_cost, tenant_key
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
 from kvpool.core.keys import NAMESPACE_BYTES, BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
-from kvpool.daemon.fairness import COST_ITEMS_PER_UNIT, TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import principal_of
@@ -138,13 +138,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self.max_event_subscribers = max_event_subscribers
         self.admin_enabled = node.config.admin_enabled
         cfg = node.config
-        self.gate = TenantGate(
-            cfg.tenant_budget_units,
-            cfg.tenant_calls,
-            cfg.tenant_wait_ms,
-            rate_units_per_s=cfg.tenant_rate_units_per_s,
-            call_rate_units=cfg.tenant_call_cost_items / COST_ITEMS_PER_UNIT,
-        )
+        self.limits = cfg.tenant_limits
+        self.gate = self.limits.gate(cfg.grpc_workers)
         self._current = threading.local()  # the principal ``gated`` identified for this thread's call
 
     # helpers
@@ -153,11 +148,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         after the call: ``walk_cost x walked / 1024``, a fraction for a short walk (so a flood
         of small lookups that hit pays for its walks too; before, walks under about 100 blocks
         owed nothing)."""
-        walked = int(getattr(self._current, "walked", 0))
-        weight = self.node.config.tenant_walk_cost_items
-        if not walked or not weight:
-            return 0.0
-        return weight * walked / COST_ITEMS_PER_UNIT
+        return self.limits.walk_units(int(getattr(self._current, "walked", 0)))
 
     def _caller(self, context: grpc.ServicerContext) -> Principal:
         if getattr(self._current, "context", None) is context:
@@ -170,11 +161,9 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         (every caller is the same ANONYMOUS principal then) the namespace the call names, or
         for a Release / PutCommit / PutAbort the namespace of the lease or put it names, or
         else one share for every call that names no known namespace."""
-        if self.credentials is not None:
-            return principal.name
         namespace = bytes(getattr(request, "namespace", b""))
-        if namespace:
-            return namespace
+        if self.credentials is not None or namespace:
+            return tenant_key(self.credentials is not None, principal.name, namespace)
         ids = list(request.lease_ids[:1]) if hasattr(request, "lease_ids") else []
         ids += [request.put_id] if hasattr(request, "put_id") else []
         owner = self.node.store.owner_of(int(ids[0])) if ids else None

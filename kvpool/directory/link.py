@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvpool.core.errors import InvalidArgument, NotLeader, TlsFailed, Unavailable
+from kvpool.core.errors import InvalidArgument, NotLeader, TenantBusy, TlsFailed, Unavailable
 from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.directory.etcd import EtcdSession, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
@@ -29,6 +29,9 @@ T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 << 20
 #: a standby's NOT_LEADER or a dead leader's UNAVAILABLE: find the leader and call once more
 FAILOVER_REDIRECT = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
+#: the directory's TENANT_BUSY (this tenant past its share): 3 retries after 10, 20, 40 ms, as
+#: PoolClient does with a node's; then the caller gets it (a read treats it as a miss)
+BUSY_RETRY = RetryPolicy(first_delay_ms=10, max_delay_ms=40, max_attempts=4)
 
 
 class DirectoryLink:
@@ -85,9 +88,9 @@ class DirectoryLink:
                     directory_pb2.LeaderRequest(), timeout=min(self.timeout_s, 2.0), metadata=self._metadata
                 )
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc, address)
-                tls_failures += isinstance(err, TlsFailed)
-                errors.append(f"{address}: {err}")
+                failure = from_rpc_error(exc, address)
+                tls_failures += isinstance(failure, TlsFailed)
+                errors.append(f"{address}: {failure}")
                 channel.close()
                 continue
             channel.close()
@@ -131,9 +134,12 @@ class DirectoryLink:
             with self._lock:
                 self._stub = None
 
+        def redirected() -> Any:
+            return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
+
         if self._stub is None:
             self.discover()  # not finding a leader at all is not retried here
-        return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
+        return retry_call(redirected, BUSY_RETRY, lambda e: isinstance(e, TenantBusy))
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -19,6 +19,7 @@ import grpc
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.config import is_loopback_address
 from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.fairness import TenantLimits
 from kvpool.core.supervisor import Supervisor
 from kvpool.directory.election import LeaderElection
 from kvpool.directory.etcd import EtcdSession
@@ -55,6 +56,8 @@ class DirectoryConfig:
     node_tls_ca_file: str = ""  # PEM CA the nodes' TLS control planes are verified with (forwards)
     insecure: bool = False  # allow a non-loopback listener without credentials and TLS
     metrics_listen: str = ""  # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md)
+    # per-tenant shares of the directory's workers and time (the node's --tenant-* options)
+    tenant: TenantLimits = field(default_factory=TenantLimits)
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -104,6 +107,8 @@ class DirectoryServer:
             credentials=load_credentials(config.credentials_file),
             cluster_token=load_token(config.cluster_token_file),
             node_root_certs=load_root_certs(config.node_tls_ca_file, "nodes' CA certificate"),
+            limits=config.tenant,
+            workers=config.grpc_workers,
         )
         self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.metrics = ServiceMetrics(DirectoryCollector(self.state.summary, self.is_leader), "directory")

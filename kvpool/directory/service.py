@@ -19,16 +19,18 @@ token.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotLeader, PermissionDenied
+from kvpool.core.fairness import TenantLimits, request_cost, tenant_key
 from kvpool.core.hashing import pack_hashes, unpack_hashes
 from kvpool.core.keys import BLOCK_KEY_BYTES, block_keys, check_namespace, group_by_namespace
 from kvpool.directory.state import DirectoryState, EventIn, NodeRecord
@@ -56,6 +58,42 @@ def bounded_hashes(packed: bytes, what: str) -> list[bytes]:
     return hashes
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _hashes_cost(request: Any) -> int:
+    return request_cost(len(request.hashes) // 16)
+
+
+def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
+    """Run a handler as one of its caller's tenant's calls of ``cost(request)`` units
+    (``TenantGate``, the node's policy): a tenant past its share is ``TenantBusy`` having
+    done nothing; the blocks a Lookup found are billed after it. The admin and the cluster
+    token (nodes, the directory's own forwards) are not gated; nor are Register and
+    Heartbeat, which only nodes may send."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def inner(self: DirectoryService, request: Any, context: grpc.ServicerContext) -> Any:
+            principal = principal_of(context, self.credentials)
+            self._current.context, self._current.principal = context, principal
+            named = self.credentials is not None
+            try:
+                if named and (principal.admin or principal.cluster):
+                    return method(self, request, context)
+                tenant = tenant_key(named, principal.name, bytes(getattr(request, "namespace", b"")))
+                with self.gate.admit(tenant, cost(request), f"Directory.{method.__name__}"):
+                    reply = method(self, request, context)
+                self.gate.charge(tenant, self.limits.walk_units(int(getattr(reply, "hits", 0))))
+                return reply
+            finally:
+                self._current.context = self._current.principal = None
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
 def node_to_msg(node: NodeRecord) -> directory_pb2.NodeInfo:
     return directory_pb2.NodeInfo(
         node_id=node.node_id,
@@ -80,12 +118,18 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         credentials: Credentials | None = None,
         cluster_token: str = "",
         node_root_certs: bytes | None = None,
+        limits: TenantLimits | None = None,
+        workers: int = 16,
     ) -> None:
         """``credentials``: who may call (None: everyone, the loopback default);
         ``cluster_token``: presented to nodes when forwarding removes and pins, over TLS
         verified against ``node_root_certs`` when given (nodes with --tls-cert-file)."""
         self.credentials = credentials
         self._node_root_certs = node_root_certs
+        # per-tenant shares (kvpool/core/fairness.py): a tenant's calls past them are TENANT_BUSY
+        self.limits = limits if limits is not None else TenantLimits()
+        self.gate = self.limits.gate(workers)
+        self._current = threading.local()  # the principal ``gated`` identified for this call
         self._node_metadata: Metadata | None = call_metadata(cluster_token)
         self.state = state
         self._is_leader = is_leader
@@ -103,6 +147,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             )
 
     def _caller(self, context: grpc.ServicerContext) -> Principal:
+        if getattr(self._current, "context", None) is context:
+            principal: Principal = self._current.principal
+            return principal
         return principal_of(context, self.credentials)
 
     def _require_node(self, context: grpc.ServicerContext, what: str) -> None:
@@ -219,6 +266,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.HeartbeatReply(resync=resync, acked_seq=acked)
 
     @typed_handler
+    @gated(_hashes_cost)
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
         self._authorise(context, bytes(request.namespace))
         self._lead()
@@ -233,6 +281,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         )
 
     @typed_handler
+    @gated(lambda r: 1)
     def Place(self, request: directory_pb2.PlaceRequest, context: grpc.ServicerContext) -> Any:
         self._caller(context)
         self._lead()
@@ -240,6 +289,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.PlaceReply(nodes=[node_to_msg(n) for n in nodes])
 
     @typed_handler
+    @gated(lambda r: request_cost(len(r.lease_ids)))
     def Release(self, request: directory_pb2.LeaseRelease, context: grpc.ServicerContext) -> Any:
         principal = self._caller(context)
         self._lead()
@@ -252,6 +302,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.ReleaseReply(released=released)
 
     @typed_handler
+    @gated(_hashes_cost)
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> Any:
         self._authorise(context, bytes(request.namespace))
         self._lead()
@@ -261,6 +312,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.RemoveReply(removed=removed, deferred=deferred)
 
     @typed_handler
+    @gated(_hashes_cost)
     def Pin(self, request: directory_pb2.PinRequest, context: grpc.ServicerContext) -> Any:
         self._authorise(context, bytes(request.namespace))
         self._lead()
@@ -269,6 +321,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.PinReply(changed=changed)
 
     @typed_handler
+    @gated(lambda r: 1)
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> Any:
         principal = self._caller(context)
         summary: dict[str, Any] = dict(self.state.summary())
@@ -280,6 +333,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 "nodes": [{k: v for k, v in n.items() if k not in ("blocks", "confirmed")} for n in summary["nodes"]],
                 "scope": f"tenant {principal.name!r}: node-wide counts need the admin token",
             }
+        else:
+            summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (core/fairness.py)
+            summary["tenant_calls_refused"] = self.gate.refused
         summary["is_leader"] = self._is_leader()
         summary["leader"] = self._leader()
         if self._extra_stats is not None:
@@ -287,11 +343,13 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.StatsReply(json=json.dumps(summary, sort_keys=True, default=str))
 
     @typed_handler
+    @gated(lambda r: 1)
     def Leader(self, request: directory_pb2.LeaderRequest, context: grpc.ServicerContext) -> Any:
         self._caller(context)
         return directory_pb2.LeaderReply(leader=self._leader(), is_leader=self._is_leader())
 
     @typed_handler
+    @gated(lambda r: 1)
     def Nodes(self, request: directory_pb2.NodesRequest, context: grpc.ServicerContext) -> Any:
         self._caller(context)
         self._lead()

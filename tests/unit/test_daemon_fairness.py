@@ -1,4 +1,4 @@
-"""Per-tenant fairness (``kvpool/daemon/fairness.py``): a tenant never has more than its
+"""Per-tenant fairness (``kvpool/core/fairness.py``): a tenant never has more than its
 budget of cost units (unless one call runs alone) nor more than its share of worker
 threads; a call past its share is ``TenantBusy`` having run nothing; other tenants are not
 affected; the gate's state is bounded by the calls in it."""
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.core.errors import TenantBusy
-from kvpool.daemon.fairness import COST_ITEMS_PER_UNIT, TenantGate, request_cost
+from kvpool.core.fairness import COST_ITEMS_PER_UNIT, TenantGate, request_cost
 
 
 def test_cost_grows_with_the_items_a_call_carries() -> None:

@@ -57,13 +57,62 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvpool.core.errors import TenantBusy
+from kvpool.core.errors import InvalidArgument, TenantBusy
 
 #: items (hashes, lease ids, checksums) per cost unit beyond the first
 COST_ITEMS_PER_UNIT = 1024
 #: tenants whose token bucket is remembered (least recently used forgotten first: a full one)
 MAX_BUCKETS = 4096
 BUSY_HINT = "retry shortly (PoolClient does, with backoff), or send smaller batches (docs/security.md, fairness)"
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's share of a server: the ``--tenant-*`` options of ``kvpool serve`` and
+    ``kvpool directory`` (the same names and meaning in both; docs/security.md)."""
+
+    budget_units: int = 64  # cost units in flight per tenant; 0 = fairness off
+    rate_units_per_s: int = 1000  # cost units per second per tenant; 0 = no rate
+    max_calls: int = 0  # calls (in flight and waiting) per tenant; 0 = half the server's workers
+    wait_ms: int = 200  # how long a call over its share waits before TENANT_BUSY
+    walk_cost_items: int = 8  # items each block a lookup finds costs, billed after the call
+    call_cost_items: int = 64  # items every call costs besides its own (small calls rate-limited too)
+
+    def __post_init__(self) -> None:
+        values = (
+            self.budget_units,
+            self.rate_units_per_s,
+            self.max_calls,
+            self.wait_ms,
+            self.walk_cost_items,
+            self.call_cost_items,
+        )
+        if min(values) < 0:
+            raise InvalidArgument("the --tenant-* limits must be >= 0")
+
+    def calls(self, workers: int) -> int:
+        """Calls one tenant may hold in a server of ``workers`` threads (default half)."""
+        return self.max_calls or max(1, workers // 2)
+
+    def gate(self, workers: int) -> TenantGate:
+        return TenantGate(
+            self.budget_units,
+            self.calls(workers),
+            self.wait_ms,
+            rate_units_per_s=self.rate_units_per_s,
+            call_rate_units=self.call_cost_items / COST_ITEMS_PER_UNIT,
+        )
+
+    def walk_units(self, walked_blocks: int) -> float:
+        """Cost units of ``walked_blocks`` found by a lookup, billed after it (``charge``)."""
+        return self.walk_cost_items * max(0, walked_blocks) / COST_ITEMS_PER_UNIT
+
+
+def tenant_key(named: bool, principal_name: str, namespace: bytes) -> Hashable:
+    """Whose share a call counts against: with credentials (``named``) the credential's
+    tenant; without (every caller is the same anonymous principal) the namespace the call
+    names, or one shared share for calls that name none."""
+    return principal_name if named else bytes(namespace)
 
 
 def request_cost(items: int) -> int:
