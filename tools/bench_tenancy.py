@@ -11,7 +11,9 @@ gRPC channel, back to back, never backing off): ``miss`` sends Lookup calls of
 ``MAX_RELEASE_IDS_PER_CALL`` unknown ids; ``hit`` first stores 8,192 blocks and then looks
 all of them up (each lookup walks 8,192 keys under the store lock) and releases as above;
 ``small`` stores 1,023 blocks and looks all of them up, nothing else (one cost unit per
-call: before every call paid into the rate, such calls were never rate-limited).
+call: before every call paid into the rate, such calls were never rate-limited); ``tiny``
+sends 1-hash lookups that miss, nothing else (the per-call cost alone; ``percall1k`` runs the
+victim's daemon with ``--tenant-call-cost-items 1024``, one unit per call).
 Each round alternates ``--windows`` idle and flood windows on the same daemon (the
 flooders pause between), so every ratio has its own baseline, taken under the same
 background load.
@@ -66,6 +68,8 @@ def start_daemon(gate: str) -> tuple[subprocess.Popen[bytes], str]:
         argv += ["--tenant-walk-cost-items", "0"]
     elif gate == "percall0":
         argv += ["--tenant-call-cost-items", "0"]
+    elif gate == "percall1k":
+        argv += ["--tenant-call-cost-items", "1024"]
     proc = subprocess.Popen([*argv, "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -108,6 +112,8 @@ def flood(address: str, mode: str, go: Any, stop: Any, results: Any) -> None:
             for i in range(0, stored, 1024):
                 b.put(hashes[i : i + 1024], np.zeros((len(hashes[i : i + 1024]), *SPEC.block_shape), np.float16))
             big = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=pack_hashes(hashes))
+        elif mode == "tiny":
+            big = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=rng.bytes(16))
         else:
             big = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=rng.bytes(16 * b.max_batch_blocks))
     ids = pool_pb2.ReleaseRequest(lease_ids=[int(x) for x in rng.integers(1, 2**62, MAX_RELEASE_IDS_PER_CALL)])
@@ -118,7 +124,7 @@ def flood(address: str, mode: str, go: Any, stop: Any, results: Any) -> None:
         while not stop.is_set():
             if not go.wait(0.1):
                 continue
-            calls = ((stub.Lookup, big),) if mode == "small" else ((stub.Lookup, big), (stub.Release, ids))
+            calls = ((stub.Lookup, big),) if mode in ("small", "tiny") else ((stub.Lookup, big), (stub.Release, ids))
             for method, request in calls:
                 try:
                     method(request, timeout=30)
@@ -217,8 +223,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--windows", type=int, default=10, help="idle/flood window pairs per round")
     parser.add_argument("--flooders", type=int, default=2)
-    parser.add_argument("--mode", choices=["miss", "hit", "small"], default="miss")
-    parser.add_argument("--gate", choices=["all", "both", "on", "size", "percall0", "off", "elsewhere"], default="all")
+    parser.add_argument("--mode", choices=["miss", "hit", "small", "tiny"], default="miss")
+    parser.add_argument(
+        "--gate", choices=["all", "both", "on", "size", "percall0", "percall1k", "off", "elsewhere"], default="all"
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     gates = {"all": ["on", "size", "percall0", "off", "elsewhere"], "both": ["on", "off"]}.get(args.gate, [args.gate])

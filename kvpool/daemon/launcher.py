@@ -397,17 +397,25 @@ class PoolLayout:
     def ca_file(self) -> str:
         return self.tls_ca_file or self.tls_cert_file
 
-    def node_arguments(self) -> list[str]:
-        """A node's TLS flags: its listener, and the directory's CA."""
+    def listener_arguments(self) -> list[str]:
+        """TLS on a control-plane listener (the directory's or a node's)."""
         if not self.tls_cert_file:
             return []
         return ["--tls-cert-file", self.tls_cert_file, "--tls-key-file", self.tls_key_file]
+
+    def node_arguments(self, with_directory: bool) -> list[str]:
+        """A node's TLS flags: its control and data planes (a ``ClusterClient`` given a CA
+        dials both over TLS), and the directory's CA when it has one."""
+        if not self.tls_cert_file:
+            return []
+        directory = ["--directory-tls-ca", self.ca_file] if with_directory else []
+        return [*self.listener_arguments(), "--data-tls", *directory]
 
     def directory_arguments(self) -> list[str]:
         """The directory's TLS flags: its listener, and the nodes' CA (forwards)."""
         if not self.tls_cert_file:
             return []
-        return [*self.node_arguments(), "--node-tls-ca", self.ca_file]
+        return [*self.listener_arguments(), "--node-tls-ca", self.ca_file]
 
 
 @dataclass(frozen=True)
@@ -419,14 +427,13 @@ class PoolAddresses:
 
 def start_pool(cluster: LocalCluster, layout: PoolLayout) -> PoolAddresses:
     """Start the pool processes of ``layout`` in ``cluster``; ``stop()`` ends them."""
-    node_tls = layout.node_arguments()
     if layout.nodes == 1:
+        node_tls = layout.node_arguments(with_directory=False)
         node = cluster.start_node("node-0", capacity=layout.capacity_bytes, slab=layout.slab_bytes, extra=node_tls)
         return PoolAddresses((node.address,), "", "")
     cluster.start_etcd()
     directory = cluster.start_directory(extra=layout.directory_arguments())
-    if node_tls:
-        node_tls += ["--directory-tls-ca", layout.ca_file]
+    node_tls = layout.node_arguments(with_directory=True)
     nodes = tuple(
         cluster.start_node(
             f"node-{i}", [directory.address], capacity=layout.capacity_bytes, slab=layout.slab_bytes, extra=node_tls
