@@ -204,7 +204,7 @@ class DaemonConfig:
     # per-tenant shares of the TCP data plane (kvpool/transport/shares.py): bytes of READ /
     # WRITE transfers one tenant may have in flight (0 = ungated) and transfers at once
     tenant_data_inflight_bytes: int = 256 * MiB
-    tenant_data_transfers: int = 16
+    tenant_data_transfers: int = 64  # a quarter of the data plane's 256 connections
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")

@@ -70,7 +70,8 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
     (``TenantGate``, the node's policy): a tenant past its share is ``TenantBusy`` having
     done nothing; the blocks a Lookup found are billed after it. The admin and the cluster
     token (nodes, the directory's own forwards) are not gated; nor are Register and
-    Heartbeat, which only nodes may send."""
+    Heartbeat, which only nodes may send; nor, without credentials, calls naming no
+    namespace."""
 
     def wrap(method: F) -> F:
         @functools.wraps(method)
@@ -79,9 +80,12 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
             self._current.context, self._current.principal = context, principal
             named = self.credentials is not None
             try:
-                if named and (principal.admin or principal.cluster):
+                namespace = bytes(getattr(request, "namespace", b""))
+                if (named and (principal.admin or principal.cluster)) or not (named or namespace):
+                    # without credentials a call that names no namespace (Place, Nodes, Stats,
+                    # Leader, Release) has no tenant to count against: every client would share one
                     return method(self, request, context)
-                tenant = tenant_key(named, principal.name, bytes(getattr(request, "namespace", b"")))
+                tenant = tenant_key(named, principal.name, namespace)
                 with self.gate.admit(tenant, cost(request), f"Directory.{method.__name__}"):
                     reply = method(self, request, context)
                 self.gate.charge(tenant, self.limits.walk_units(int(getattr(reply, "hits", 0))))
