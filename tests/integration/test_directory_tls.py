@@ -4,7 +4,8 @@ the clients of it: ``ClusterClient`` with the CA works; without it, or in plaint
 client fails with a typed ``Unavailable`` that names TLS; a plaintext node cannot join;
 the directory forwards pins to the nodes over TLS (``--node-tls-ca``); ``kvpool inspect
 nodes --directory`` with ``--directory-tls-ca``; a non-loopback directory without TLS is
-refused at config validation (nothing bound)."""
+refused at config validation (nothing bound); the router's event follower (``PoolSource``,
+``kvpool router --tls-ca``) reads a TLS pool with the CA."""
 
 from __future__ import annotations
 
@@ -147,3 +148,30 @@ def test_a_non_loopback_directory_needs_credentials_and_tls_or_insecure() -> Non
     DirectoryConfig(listen="10.1.2.3:7440", insecure=True)
     with pytest.raises(InvalidArgument, match="both"):
         DirectoryConfig(tls_cert_file="c.pem")
+
+
+@needs_openssl
+def test_the_routers_event_follower_reads_a_tls_pool(daemon_factory: Any, tmp_path: Any) -> None:
+    """``kvpool router --pool A --tls-ca FILE``: its ``PoolSource`` snapshots and follows a
+    pool that serves TLS with the CA, and gets nothing without it."""
+    from test_auth import SPEC as POOL_SPEC
+    from test_auth import TOKEN_A as POOL_TOKEN
+    from test_auth import write_credentials
+
+    from kvpool.scheduler.router_events import PoolSource
+
+    cert, key = _self_signed(str(tmp_path))
+    with open(cert, "rb") as fh:
+        root = fh.read()
+    daemon = daemon_factory(
+        "--credentials", write_credentials(str(tmp_path)), "--tls-cert-file", cert, "--tls-key-file", key,
+        tls_root_certs=root,
+    )  # fmt: skip
+    source = PoolSource(daemon.address, POOL_SPEC, b"salt-a", POOL_TOKEN, tls_root_certs=root)
+    try:
+        last_seq, hashes = source.snapshot()
+        assert last_seq >= 0 and hashes == []
+    finally:
+        source.close()
+    with pytest.raises(Unavailable):
+        PoolSource(daemon.address, POOL_SPEC, b"salt-a", POOL_TOKEN)
