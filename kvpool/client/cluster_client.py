@@ -56,7 +56,6 @@ from kvpool.core.errors import (
     NotFound,
     NotLeader,
     TenantBusy,
-    TlsFailed,
     Unavailable,
 )
 from kvpool.core.hashing import block_hashes, pack_hashes
@@ -67,7 +66,7 @@ from kvpool.directory.link import DirectoryLink
 from kvpool.proto import directory_pb2, pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
-from kvpool.rpc.errors import from_rpc_error
+from kvpool.rpc.errors import TlsFailed, from_rpc_error
 from kvpool.transport.base import ReadItem, Transport
 from kvpool.transport.factory import make_transport
 

@@ -134,12 +134,6 @@ class Unavailable(KVPoolError):
     code = ErrorCode.UNAVAILABLE
 
 
-class TlsFailed(Unavailable):
-    """A TLS handshake with the peer failed: its certificate is not signed by the CA the
-    client was given, does not name the address dialled, or one side speaks plaintext.
-    Configuration, not an outage: retrying does not help (docs/security.md, TLS)."""
-
-
 class DeadlineExceeded(KVPoolError):
     """The call did not finish within its timeout."""
 

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvpool.core.errors import InvalidArgument, NotLeader, TenantBusy, TlsFailed, Unavailable
+from kvpool.core.errors import InvalidArgument, NotLeader, TenantBusy, Unavailable
 from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.directory.etcd import EtcdSession, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
-from kvpool.rpc.errors import TLS_HINT, from_rpc_error
+from kvpool.rpc.errors import TLS_HINT, TlsFailed, from_rpc_error
 
 log = logging.getLogger("kvpool.directory.link")
 

@@ -19,7 +19,6 @@ from kvpool.core.errors import (
     InternalError,
     InvalidArgument,
     KVPoolError,
-    TlsFailed,
     Unauthenticated,
     Unavailable,
     error_from_code,
@@ -110,6 +109,13 @@ def typed_handler(method: F) -> F:
         return None  # unreachable: abort raises
 
     return wrapper  # type: ignore[return-value]
+
+
+class TlsFailed(Unavailable):
+    """A TLS handshake with the peer failed: its certificate is not signed by the CA the
+    client was given, does not name the address dialled, or one side speaks plaintext.
+    Configuration, not an outage: retrying does not help (docs/security.md, TLS). An
+    ``Unavailable`` on the wire and to callers that catch that; raised only client-side."""
 
 
 #: what gRPC's details say when a TLS handshake failed (an unknown CA, a wrong name, a

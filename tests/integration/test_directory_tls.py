@@ -22,12 +22,13 @@ from kvpool import KVSpec
 from kvpool.cli.main import main as cli_main
 from kvpool.client.cluster_client import ClusterClient
 from kvpool.core.auth import token_sha256
-from kvpool.core.errors import InvalidArgument, TlsFailed, Unavailable
+from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.core.spec import Namespace
 from kvpool.daemon.cluster_local import LocalCluster, eventually
 from kvpool.directory.server import DirectoryConfig
 from kvpool.proto import directory_pb2, directory_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
+from kvpool.rpc.errors import TlsFailed
 
 SPEC = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 TOKEN_A = "kvp_dir-tls-tenant-a"
