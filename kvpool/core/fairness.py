@@ -1,4 +1,10 @@
-"""Per-tenant fairness: a cost-weighted bound on what one tenant has in flight in a node.
+"""Per-tenant fairness: a cost-weighted bound on what one tenant has in flight in a server.
+
+One policy for three servers (``TenantLimits`` holds its options, ``TenantGate`` applies
+them): the node's control plane (``kvpool/daemon/service.py``), the directory
+(``kvpool/directory/service.py``, the same ``--tenant-*`` options) and the TCP data plane
+(``kvpool/transport/shares.py``, bytes for cost units). It lives in core because all three
+sit above it and none may import another.
 
 Why: every tenant's calls share one pool of gRPC worker threads, one store lock and, in
 Python, one interpreter lock. Without a bound, one tenant sending the largest requests the

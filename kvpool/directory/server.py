@@ -4,6 +4,8 @@ State in memory (``DirectoryState``), persisted to RocksDB under ``data_dir`` wh
 given; node liveness from heartbeats and, with etcd, from each node's etcd lease; leader
 election through etcd when endpoints are given (else this instance simply leads).
 Background work (expiry, flush, election, etcd watch) runs under one ``Supervisor``.
+TLS on the listener when ``tls_cert_file`` is set (``grpc.ssl_server_credentials``, as the
+node); off loopback it refuses to start without credentials and TLS unless ``insecure``.
 """
 
 from __future__ import annotations

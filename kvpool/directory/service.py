@@ -14,7 +14,10 @@ Remove / Pin only for a namespace the caller's credential may use; Release only 
 caller's own leases (ids are random, and each lease's namespace is checked); Stats
 node-wide counts only for the admin or cluster token (a tenant gets the node list); Place,
 Leader and Nodes any known token. Removes and pins forwarded to nodes carry the cluster
-token.
+token (over TLS when the nodes serve it: ``node_root_certs``).
+
+Fairness: every call of a tenant runs inside the node's policy (``gated``,
+``kvpool/core/fairness.py``): past its share it is ``TenantBusy`` having done nothing.
 """
 
 from __future__ import annotations
