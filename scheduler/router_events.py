@@ -37,11 +37,14 @@ class EventSource(Protocol):
 class PoolSource:
     """Adapter over ``kvpool.client.PoolClient`` (imported lazily: the client is optional here)."""
 
-    def __init__(self, address: str, spec: KVSpec, salt: bytes = b"", token: str = "") -> None:
-        """``token``: the tenant credential for a pool with credentials (docs/security.md)."""
+    def __init__(
+        self, address: str, spec: KVSpec, salt: bytes = b"", token: str = "", tls_root_certs: bytes | None = None
+    ) -> None:
+        """``token``: the tenant credential for a pool with credentials; ``tls_root_certs``:
+        the CA of a pool that serves TLS (docs/security.md)."""
         from kvpool.client.pool_client import PoolClient
 
-        self._client = PoolClient.connect(address, spec, salt=salt, token=token)
+        self._client = PoolClient.connect(address, spec, salt=salt, token=token, tls_root_certs=tls_root_certs)
         self.node_id: str = self._client.node_id or address
 
     def snapshot(self) -> tuple[int, list[bytes]]:

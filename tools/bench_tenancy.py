@@ -9,14 +9,20 @@ alone, then while tenant B floods from ``--flooders`` separate processes (each i
 gRPC channel, back to back, never backing off): ``miss`` sends Lookup calls of
 ``max_batch_blocks`` hashes (misses: the lookup stops at the first) and Release calls of
 ``MAX_RELEASE_IDS_PER_CALL`` unknown ids; ``hit`` first stores 8,192 blocks and then looks
-all of them up (each lookup walks 8,192 keys under the store lock) and releases as above.
+all of them up (each lookup walks 8,192 keys under the store lock) and releases as above;
+``small`` stores 1,023 blocks and looks all of them up, nothing else (one cost unit per
+call: before every call paid into the rate, such calls were never rate-limited); ``tiny``
+sends 1-hash lookups that miss, nothing else (the per-call cost alone; ``percall1k`` runs the
+victim's daemon with ``--tenant-call-cost-items 1024``, one unit per call).
 Each round alternates ``--windows`` idle and flood windows on the same daemon (the
 flooders pause between), so every ratio has its own baseline, taken under the same
 background load.
-``--gate all`` (the default) runs the whole thing four times: against a daemon with
+``--gate all`` (the default) runs the whole thing five times: against a daemon with
 per-tenant fairness (its defaults, ``on``), with fairness billing calls by request size
 only (``--tenant-walk-cost-items 0``, ``size``: the walked blocks of a hit lookup not
-billed), one without (``--tenant-budget-units 0``, ``off``), and with the flood sent to
+billed), with no per-call cost (``--tenant-call-cost-items 0``, ``percall0``: calls under
+1,024 hashes never rate-limited, the rule before), one without (``--tenant-budget-units 0``,
+``off``), and with the flood sent to
 a second daemon (``elsewhere``: the victim's daemon does nothing for the flooder, so what
 remains is the machine's own contention, the floor no daemon-side policy can go below).
 The machine is shared: compare ratios within a run, and run it a few times.
@@ -46,6 +52,9 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 SPEC = KVSpec(model="bench", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 PREFIX_BLOCKS = 64
 HIT_BLOCKS = 8192
+#: the "small" flood: lookups of this many hashes, all hits (one cost unit each, the most
+#: blocks a one-unit call can walk)
+SMALL_BLOCKS = 1023
 
 
 def start_daemon(gate: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -57,6 +66,10 @@ def start_daemon(gate: str) -> tuple[subprocess.Popen[bytes], str]:
         argv += ["--tenant-budget-units", "0"]
     elif gate == "size":
         argv += ["--tenant-walk-cost-items", "0"]
+    elif gate == "percall0":
+        argv += ["--tenant-call-cost-items", "0"]
+    elif gate == "percall1k":
+        argv += ["--tenant-call-cost-items", "1024"]
     proc = subprocess.Popen([*argv, "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -93,11 +106,14 @@ def flood(address: str, mode: str, go: Any, stop: Any, results: Any) -> None:
     is set, until ``stop``; puts (sent, refused TENANT_BUSY) on ``results``."""
     rng = np.random.default_rng(os.getpid())
     with PoolClient.connect(address, SPEC, salt=b"flooder") as b:
-        if mode == "hit":
-            hashes = b.hashes(np.arange(16 * HIT_BLOCKS))
-            for i in range(0, HIT_BLOCKS, 1024):
+        if mode in ("hit", "small"):
+            stored = HIT_BLOCKS if mode == "hit" else SMALL_BLOCKS
+            hashes = b.hashes(np.arange(16 * stored))
+            for i in range(0, stored, 1024):
                 b.put(hashes[i : i + 1024], np.zeros((len(hashes[i : i + 1024]), *SPEC.block_shape), np.float16))
             big = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=pack_hashes(hashes))
+        elif mode == "tiny":
+            big = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=rng.bytes(16))
         else:
             big = pool_pb2.HashesRequest(namespace=b.namespace.digest(), hashes=rng.bytes(16 * b.max_batch_blocks))
     ids = pool_pb2.ReleaseRequest(lease_ids=[int(x) for x in rng.integers(1, 2**62, MAX_RELEASE_IDS_PER_CALL)])
@@ -108,7 +124,8 @@ def flood(address: str, mode: str, go: Any, stop: Any, results: Any) -> None:
         while not stop.is_set():
             if not go.wait(0.1):
                 continue
-            for method, request in ((stub.Lookup, big), (stub.Release, ids)):
+            calls = ((stub.Lookup, big),) if mode in ("small", "tiny") else ((stub.Lookup, big), (stub.Release, ids))
+            for method, request in calls:
                 try:
                     method(request, timeout=30)
                 except grpc.RpcError as exc:
@@ -206,11 +223,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--windows", type=int, default=10, help="idle/flood window pairs per round")
     parser.add_argument("--flooders", type=int, default=2)
-    parser.add_argument("--mode", choices=["miss", "hit"], default="miss")
-    parser.add_argument("--gate", choices=["all", "both", "on", "size", "off", "elsewhere"], default="all")
+    parser.add_argument("--mode", choices=["miss", "hit", "small", "tiny"], default="miss")
+    parser.add_argument(
+        "--gate", choices=["all", "both", "on", "size", "percall0", "percall1k", "off", "elsewhere"], default="all"
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    gates = {"all": ["on", "size", "off", "elsewhere"], "both": ["on", "off"]}.get(args.gate, [args.gate])
+    gates = {"all": ["on", "size", "percall0", "off", "elsewhere"], "both": ["on", "off"]}.get(args.gate, [args.gate])
     result = [run(gate, args) for gate in gates]
     for r in result:
         print(f"gate {r['gate']} ({r['mode']}): p99 ratio {r['p99_ratio_min']}-{r['p99_ratio_max']}")

@@ -3,6 +3,7 @@
   kvpool cluster up                 one embedded node+directory (no etcd), in the foreground
   kvpool cluster up --nodes 3       etcd + a directory + 3 nodes (etcd from the system binary)
   kvpool cluster up --background    the same, detached; then:
+  kvpool cluster up --nodes 3 --tls-cert-file cert.pem --tls-key-file key.pem   TLS control planes
   kvpool cluster status             PIDs, addresses, alive or not
   kvpool cluster down               stop it: no process and no shared-memory arena left
 
@@ -37,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--capacity-bytes", default="256MiB", help="host-tier capacity of each node (default 256MiB)")
     up.add_argument("--slab-bytes", default="16MiB", help="slab size of each node (default 16MiB)")
     up.add_argument("--background", action="store_true", help="detach; stop it later with 'kvpool cluster down'")
+    up.add_argument(
+        "--tls-cert-file", default="", help="serve TLS on every control plane with this PEM certificate (for 127.0.0.1)"
+    )
+    up.add_argument("--tls-key-file", default="", help="its PEM private key")
+    up.add_argument("--tls-ca", default="", help="the CA that signed it (default: the certificate, self-signed)")
     for p in (up, sub.add_parser("status", help="show a background cluster"), sub.add_parser("down", help="stop it")):
         p.add_argument("--workdir", default="", help=f"logs and the state file (default {default_workdir()})")
         p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -90,11 +96,15 @@ def _print_addresses(info: Mapping[str, object], as_json: bool) -> None:
 def _up(args: argparse.Namespace, workdir: str) -> int:
     from kvpool.daemon.launcher import LocalCluster, PoolLayout, start_pool
     from kvpool.daemon.supervise import run_foreground
+    from kvpool.rpc.credentials import load_root_certs
 
     os.makedirs(workdir, exist_ok=True)
     state_path = os.path.join(workdir, STATE_NAME)
     _refuse_if_running(state_path)
-    layout = PoolLayout(args.nodes, args.capacity_bytes, args.slab_bytes)
+    layout = PoolLayout(
+        args.nodes, args.capacity_bytes, args.slab_bytes, args.tls_cert_file, args.tls_key_file, args.tls_ca
+    )
+    root_certs = load_root_certs(layout.ca_file) if layout.tls_cert_file else None
 
     def start(cluster: LocalCluster) -> dict[str, object]:
         addresses = start_pool(cluster, layout)
@@ -105,7 +115,8 @@ def _up(args: argparse.Namespace, workdir: str) -> int:
         if not args.json:
             print(f"  logs       {workdir}\nCtrl-C or SIGTERM to stop", file=sys.stderr, flush=True)
 
-    status = run_foreground(LocalCluster(workdir, die_with_parent=True), start, announce, state_path)
+    cluster = LocalCluster(workdir, die_with_parent=True, tls_root_certs=root_certs)
+    status = run_foreground(cluster, start, announce, state_path)
     if not args.json:
         print("kvpool cluster: stopped", file=sys.stderr, flush=True)
     return status
@@ -121,6 +132,9 @@ def _up_background(args: argparse.Namespace, workdir: str) -> int:
     _refuse_if_running(state_path)
     argv = [sys.executable, "-m", "kvpool.cli.main", "cluster", "up", "--nodes", str(args.nodes)]
     argv += ["--capacity-bytes", args.capacity_bytes, "--slab-bytes", args.slab_bytes, "--workdir", workdir]
+    for flag, value in (("--tls-cert-file", args.tls_cert_file), ("--tls-key-file", args.tls_key_file)):
+        argv += [flag, value] if value else []
+    argv += ["--tls-ca", args.tls_ca] if args.tls_ca else []
     log_path = os.path.join(workdir, "supervisor.log")
     with open(log_path, "ab") as log:
         child = subprocess.Popen(

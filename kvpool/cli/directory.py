@@ -5,6 +5,8 @@ its state lives in RocksDB and a restarted directory answers at once.
 
 Example:
   kvpool directory --listen 127.0.0.1:7440 --data-dir /var/lib/kvpool/dir --etcd 127.0.0.1:2379
+  kvpool directory --listen 10.0.0.2:7440 --credentials creds.toml --cluster-token-file cluster.token \
+                   --tls-cert-file dir.pem --tls-key-file dir.key --node-tls-ca ca.pem
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ import logging
 import sys
 
 from kvpool.core import invariants
+from kvpool.core.fairness import TenantLimits
+
+#: the node's per-tenant fairness options, for the directory's calls (docs/security.md)
+TENANT_FLAGS = (
+    ("--tenant-budget-units", "per-tenant fairness: cost units one tenant may have in flight; 0 = off"),
+    ("--tenant-rate-units-per-s", "cost units one tenant may spend per second; 0 = no rate"),
+    ("--tenant-max-calls", "calls one tenant may have in the directory; 0 = half of its workers"),
+    ("--tenant-wait-ms", "how long a call past its tenant's share waits before TENANT_BUSY"),
+    ("--tenant-walk-cost-items", "hashes each block a Lookup finds costs, billed after it"),
+    ("--tenant-call-cost-items", "hashes every call costs besides its own (small calls rate-limited too)"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +52,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cluster-token-file", default="", help="file holding the cluster token, presented to nodes on forwards"
     )
     parser.add_argument(
-        "--insecure", action="store_true", help="allow a non-loopback --listen without credentials (trusted net)"
+        "--tls-cert-file", default="", help="PEM certificate chain: serve TLS on --listen (default: plaintext)"
     )
+    parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--node-tls-ca",
+        default="",
+        metavar="FILE",
+        help="PEM CA of the nodes' TLS control planes (removes and pins are forwarded there); default: plaintext",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen without credentials and TLS (a trusted network only)",
+    )
+    defaults = TenantLimits()
+    for flag, help_text in TENANT_FLAGS:
+        attr = flag.removeprefix("--tenant-").replace("-", "_")
+        parser.add_argument(flag, type=int, default=getattr(defaults, attr), help=f"{help_text} (default %(default)s)")
     parser.add_argument(
         "--metrics-listen",
         default="",
@@ -68,8 +97,19 @@ def run(args: argparse.Namespace) -> int:
             election_ttl_s=args.election_ttl_s,
             credentials_file=args.credentials,
             cluster_token_file=args.cluster_token_file,
+            tls_cert_file=args.tls_cert_file,
+            tls_key_file=args.tls_key_file,
+            node_tls_ca_file=args.node_tls_ca,
             insecure=args.insecure,
             metrics_listen=args.metrics_listen,
+            tenant=TenantLimits(
+                budget_units=args.tenant_budget_units,
+                rate_units_per_s=args.tenant_rate_units_per_s,
+                max_calls=args.tenant_max_calls,
+                wait_ms=args.tenant_wait_ms,
+                walk_cost_items=args.tenant_walk_cost_items,
+                call_cost_items=args.tenant_call_cost_items,
+            ),
         )
         server = DirectoryServer(config)
         server.start()

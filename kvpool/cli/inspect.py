@@ -19,7 +19,9 @@
 
 The address comes from --address, else KVPOOL_ADDRESS, else 127.0.0.1:7450. Against a
 daemon with credentials pass an admin token with --token (else KVPOOL_TOKEN); against one
-that serves TLS, the CA certificate with --tls-ca FILE (else KVPOOL_TLS_CA). Token files
+that serves TLS, the CA certificate with --tls-ca FILE (else KVPOOL_TLS_CA); with
+--directory, a directory that serves TLS needs --directory-tls-ca FILE (else
+KVPOOL_DIRECTORY_TLS_CA) and its nodes --tls-ca. Token files
 hold a JSON list of integers or whitespace-separated integers ('-' reads stdin);
 --text with --tokenizer NAME tokenizes with a tokenizer transformers can load locally.
 A namespace is its digest (hex, or a unique prefix); with one namespace on the node it is
@@ -43,7 +45,6 @@ __all__ = ["DEFAULT_ADDRESS", "add_connection_arguments", "hit_rate_text", "huma
 DEFAULT_ADDRESS = "127.0.0.1:7450"
 
 #: largest CA certificate file read, in bytes
-MAX_CA_FILE_BYTES = 1 << 20
 
 #: subcommand -> (function name in kvpool.cli.inspect_ops, help)
 VIEWS: dict[str, str] = {
@@ -73,6 +74,12 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=None, help="bearer token for a daemon with credentials (env KVPOOL_TOKEN)")
     parser.add_argument(
         "--tls-ca", default=None, metavar="FILE", help="PEM CA certificate of a TLS daemon (env KVPOOL_TLS_CA)"
+    )
+    parser.add_argument(
+        "--directory-tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA certificate of a TLS directory, for --directory (env KVPOOL_DIRECTORY_TLS_CA)",
     )
 
 
@@ -125,12 +132,23 @@ def open_admin(args: argparse.Namespace, address: str) -> PoolAdmin:
     """A PoolAdmin with the token and CA from the flags, else the environment (read only
     here, in the CLI's composition root)."""
     from kvpool.client.admin import PoolAdmin
-    from kvpool.rpc.credentials import read_bounded
 
-    token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
-    ca_path = args.tls_ca if args.tls_ca is not None else os.environ.get("KVPOOL_TLS_CA", "")
-    root_certs = read_bounded(ca_path, MAX_CA_FILE_BYTES, "CA certificate") if ca_path else None
-    return PoolAdmin(address, token=token, tls_root_certs=root_certs)
+    return PoolAdmin(address, token=token_of(args), tls_root_certs=root_certs_of(args, "tls_ca"))
+
+
+def token_of(args: argparse.Namespace) -> str:
+    return str(args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", ""))
+
+
+def root_certs_of(args: argparse.Namespace, flag: str) -> bytes | None:
+    """The CA file of ``--tls-ca`` / ``--directory-tls-ca`` (``flag``), else its environment
+    variable (KVPOOL_TLS_CA, KVPOOL_DIRECTORY_TLS_CA); None: plaintext."""
+    from kvpool.rpc.credentials import load_root_certs
+
+    path = getattr(args, flag, None)
+    if path is None:
+        path = os.environ.get("KVPOOL_" + flag.upper(), "")
+    return load_root_certs(path)
 
 
 def address_of(args: argparse.Namespace) -> str:

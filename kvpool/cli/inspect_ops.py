@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpool.cli import inspect_render as render
-from kvpool.cli.inspect import BadInput, address_of, open_admin
+from kvpool.cli.inspect import BadInput, address_of, open_admin, root_certs_of, token_of
 from kvpool.client.admin import PoolAdmin
 from kvpool.core.errors import KVPoolError, PermissionDenied, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
@@ -154,16 +153,16 @@ def directory_call(args: argparse.Namespace, method: str, request: Any) -> Any:
 
     from kvpool.proto import directory_pb2_grpc
     from kvpool.rpc.auth import call_metadata, make_channel
-    from kvpool.rpc.errors import from_rpc_error
+    from kvpool.rpc.errors import from_rpc_error, looks_like_tls_failure
 
-    token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
-    channel = make_channel(args.directory, (), None)
+    channel = make_channel(args.directory, (), root_certs_of(args, "directory_tls_ca"))
     try:
         stub = directory_pb2_grpc.DirectoryStub(channel)
-        return getattr(stub, method)(request, timeout=5.0, metadata=call_metadata(token))
+        return getattr(stub, method)(request, timeout=5.0, metadata=call_metadata(token_of(args)))
     except grpc.RpcError as exc:
         err = from_rpc_error(exc, args.directory)
-        if isinstance(err, Unavailable) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+        tls = looks_like_tls_failure(str(exc.details()))
+        if isinstance(err, Unavailable) and exc.code() == grpc.StatusCode.UNAVAILABLE and not tls:
             err = Unavailable(  # a directory, not a daemon: say which one to start
                 f"the kvpool directory at {args.directory} is not reachable ({exc.details()})",
                 hint=f"start it with 'kvpool directory --listen {args.directory}' (or 'kvpool cluster up'), "

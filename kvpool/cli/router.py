@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
@@ -54,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token", default=None, help="the tenant's token for a pool with credentials (env KVPOOL_TOKEN)"
     )
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="FILE", help="PEM CA of a --pool that serves TLS (env KVPOOL_TLS_CA)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices (default 0)")
     from kvpool.cli.router_openai import add_openai_arguments
 
@@ -63,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    from kvpool.cli.inspect import root_certs_of, token_of
     from kvpool.cli.router_openai import openai_policy, start_openai
     from kvpool.core.clock import MonotonicClock
     from kvpool.core.errors import KVPoolError
@@ -98,12 +101,12 @@ def run(args: argparse.Namespace) -> int:
         )
         server = RouterServer(core, args.listen, args.http_listen or None)
         follower = None
-        token = args.token if args.token is not None else os.environ.get("KVPOOL_TOKEN", "")
+        token, root_certs = token_of(args), root_certs_of(args, "tls_ca")
         if args.pool:
             if spec is None:
                 print("kvpool router: --pool needs --spec (the namespace to follow)", file=sys.stderr)
                 return 2
-            follower = EventFollower(lambda: PoolSource(args.pool, spec, args.salt.encode(), token), core)
+            follower = EventFollower(lambda: PoolSource(args.pool, spec, args.salt.encode(), token, root_certs), core)
     except (KVPoolError, OSError, ValueError) as exc:
         print(f"kvpool router: {exc}", file=sys.stderr)
         return 2

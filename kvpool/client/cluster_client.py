@@ -50,7 +50,14 @@ from kvpool.client.blocks import block_rows
 from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hello_request
 from kvpool.client.tickets import NodeTickets
 from kvpool.core.clock import Clock, MonotonicClock
-from kvpool.core.errors import InvalidArgument, KVPoolError, NotFound, NotLeader, Unavailable
+from kvpool.core.errors import (
+    InvalidArgument,
+    KVPoolError,
+    NotFound,
+    NotLeader,
+    TenantBusy,
+    Unavailable,
+)
 from kvpool.core.hashing import block_hashes, pack_hashes
 from kvpool.core.retry import RetryPolicy
 from kvpool.core.spec import KVSpec, Namespace
@@ -59,7 +66,7 @@ from kvpool.directory.link import DirectoryLink
 from kvpool.proto import directory_pb2, pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
-from kvpool.rpc.errors import from_rpc_error
+from kvpool.rpc.errors import TlsFailed, from_rpc_error
 from kvpool.transport.base import ReadItem, Transport
 from kvpool.transport.factory import make_transport
 
@@ -163,7 +170,7 @@ class ClusterClient:
             "failed_runs": 0,
             "retried_runs": 0,
             "replicated_blocks": 0,
-            "directory_down_reads": 0,  # reads answered without the directory (failover)
+            "directory_down_reads": 0,  # reads answered without the directory (failover, or TENANT_BUSY)
             "failover_put_waits": 0,  # puts that waited for a directory leader
             "failover_call_waits": 0,  # connect/remove/pin/stats calls that waited for one
             "reported_corrupt": 0,  # blocks that arrived failing their checksum, reported to their node
@@ -188,13 +195,19 @@ class ClusterClient:
         failover_wait_ms: int = DEFAULT_FAILOVER_WAIT_MS,
         token: str = "",
         tls_root_certs: bytes | None = None,
+        directory_tls_root_certs: bytes | None = None,
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
         given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long
-        this call, puts and management calls wait for a directory leader during a failover."""
+        this call, puts and management calls wait for a directory leader during a failover.
+        ``tls_root_certs`` verifies the nodes (control and data planes),
+        ``directory_tls_root_certs`` the directory (its own option: a cluster may run TLS on
+        one and not the other; pass the same CA for both where one CA signed them all)."""
         namespace = Namespace(spec, salt, adapter)
         session = EtcdSession(etcd).start() if etcd else None
-        link = DirectoryLink(directory, session, cluster, timeout_s, token=token, owns_etcd=True)
+        link = DirectoryLink(
+            directory, session, cluster, timeout_s, token=token, owns_etcd=True, root_certs=directory_tls_root_certs
+        )
         local_client: PoolClient | None = None
         made: ClusterClient | None = None
         try:
@@ -283,7 +296,8 @@ class ClusterClient:
             f"directory failover in progress: {what} within {waited_ms:.0f} ms "
             f"(last: {last.message if last else 'none'})",
             hint=f"{undone}; retry, or raise failover_wait_ms (now {self.failover_wait_ms} ms) above the "
-            "directory's --election-ttl-s plus a node heartbeat; reads are misses (or local hits) meanwhile",
+            "directory's --election-ttl-s plus a node heartbeat; reads are misses (or local hits) meanwhile"
+            + (f". The last error's hint: {last.hint}" if last is not None and last.hint else ""),
         )
 
     def _new_leader_without_nodes(self) -> bool:
@@ -317,6 +331,8 @@ class ClusterClient:
         while True:
             try:
                 return self._directory(name, request)
+            except TlsFailed:
+                raise  # configuration (a CA, a certificate, plaintext against TLS): no failover to wait out
             except (Unavailable, NotLeader) as err:
                 last = err
             except NotFound as err:
@@ -369,7 +385,7 @@ class ClusterClient:
             return 0
         try:
             return len(self.locate(hashes)[0])
-        except (Unavailable, NotLeader) as err:
+        except (Unavailable, NotLeader, TenantBusy) as err:  # busy: past our tenant's share of it
             log.info("directory lookup failed (%s): a miss", err)
             self.counters["directory_down_reads"] += 1
             return 0
@@ -494,7 +510,7 @@ class ClusterClient:
         if not self._directory_down():
             try:
                 holders, _ = self.locate(hashes, for_read=True)
-            except (Unavailable, NotLeader) as err:
+            except (Unavailable, NotLeader, TenantBusy) as err:
                 log.info("directory lookup failed (%s): reading from the local node only", err)
             except KVPoolError as err:
                 log.warning("directory lookup failed (%s): every block is a miss", err)

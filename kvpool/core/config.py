@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from kvpool.core.errors import InvalidArgument
+from kvpool.core.fairness import TenantLimits
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -123,6 +124,7 @@ class ClusterConfig:
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str = ""  # ZMQ ROUTER endpoint answering vLLM-style replay requests
     token_file: str = ""  # file holding the cluster token the node presents to the directory; "" = none
+    directory_tls_ca: str = ""  # PEM CA of a TLS directory (docs/security.md); "" = dial it in plaintext
     # TLS on the TCP data plane with the control plane's --tls-cert-file / --tls-key-file
     # (docs/security.md "Data-plane TLS": costs throughput; UCX / NIXL bytes stay in the clear)
     data_tls: bool = False
@@ -186,16 +188,23 @@ class DaemonConfig:
     # make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0): processes of its uid can then not
     # open /proc/PID/fd, /proc/PID/mem or ptrace it (no core dumps either); "auto" = on with credentials
     protect_process: str = "auto"
-    # per-tenant fairness (kvpool/daemon/fairness.py): cost units one tenant may have in flight
+    # per-tenant fairness (kvpool/core/fairness.py): cost units one tenant may have in flight
     # (0 = off), worker threads one tenant may hold (0 = half of grpc_workers), and how long a
     # call over its tenant's budget waits for room before it is refused TENANT_BUSY
-    tenant_budget_units: int = 64
-    tenant_rate_units_per_s: int = 1000  # cost units one tenant may spend per second (0 = no rate)
-    tenant_max_calls: int = 0
+    tenant_budget_units: int = TenantLimits.budget_units
+    tenant_rate_units_per_s: int = TenantLimits.rate_units_per_s  # cost units per s (0 = no rate)
+    tenant_max_calls: int = TenantLimits.max_calls
     # request items (hashes) each block a Lookup / Lease finds costs, billed after the call
     # (fairness.TenantGate.charge); 0 = calls cost by their request size only
-    tenant_walk_cost_items: int = 8
-    tenant_wait_ms: int = 200
+    tenant_walk_cost_items: int = TenantLimits.walk_cost_items
+    # request items every call costs besides its own (fairness.TenantGate call_rate_units): a
+    # flood of small calls is rate-limited too; 0 = calls under 1,024 items are never rate-limited
+    tenant_call_cost_items: int = TenantLimits.call_cost_items
+    tenant_wait_ms: int = TenantLimits.wait_ms
+    # per-tenant shares of the TCP data plane (kvpool/transport/shares.py): bytes of READ /
+    # WRITE transfers one tenant may have in flight (0 = ungated) and transfers at once
+    tenant_data_inflight_bytes: int = 256 * MiB
+    tenant_data_transfers: int = 64  # a quarter of the data plane's 256 connections
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -207,15 +216,9 @@ class DaemonConfig:
             raise InvalidArgument(f"admin_views {self.admin_views!r} is not 'loopback', 'on' or 'off'")
         if self.max_namespaces <= 0 or self.namespace_idle_ms <= 0:
             raise InvalidArgument("max_namespaces and namespace_idle_ms must be positive")
-        tenant_limits = (
-            self.tenant_budget_units,
-            self.tenant_rate_units_per_s,
-            self.tenant_max_calls,
-            self.tenant_wait_ms,
-            self.tenant_walk_cost_items,
-        )
-        if min(tenant_limits) < 0:
-            raise InvalidArgument("the --tenant-* limits must be >= 0")
+        _ = self.tenant_limits  # validates the --tenant-* limits (InvalidArgument)
+        if self.tenant_data_inflight_bytes < 0 or self.tenant_data_transfers < 0:
+            raise InvalidArgument("the --tenant-data-* limits must be >= 0")
         if not 0 <= self.arena_socket_mode <= 0o777 or self.arena_socket_mode & 0o111:
             raise InvalidArgument(f"arena_socket_mode {self.arena_socket_mode:o} is not a file mode like 600 or 660")
         if self.protect_process not in ("auto", "on", "off"):
@@ -266,9 +269,16 @@ class DaemonConfig:
             )
 
     @property
-    def tenant_calls(self) -> int:
-        """Worker threads one tenant may hold at once (``tenant_max_calls``, default half)."""
-        return self.tenant_max_calls or max(1, self.grpc_workers // 2)
+    def tenant_limits(self) -> TenantLimits:
+        """The per-tenant fairness options as one value (``kvpool/core/fairness.py``)."""
+        return TenantLimits(
+            self.tenant_budget_units,
+            self.tenant_rate_units_per_s,
+            self.tenant_max_calls,
+            self.tenant_wait_ms,
+            self.tenant_walk_cost_items,
+            self.tenant_call_cost_items,
+        )
 
     @property
     def process_protected(self) -> bool:

@@ -33,9 +33,10 @@ from kvpool.directory.link import DirectoryLink
 from kvpool.directory.membership import Membership
 from kvpool.directory.state import TIER_CODES
 from kvpool.proto import directory_pb2
-from kvpool.rpc.credentials import load_token
+from kvpool.rpc.credentials import load_root_certs, load_token
 from kvpool.transport.base import DataServer, LeasedBlocks, PutSlots
 from kvpool.transport.factory import make_data_server
+from kvpool.transport.shares import TransferShares
 from kvpool.transport.tls import server_tls_context
 
 log = logging.getLogger("kvpool.cluster")
@@ -163,8 +164,11 @@ class ClusterAgent:
             tls = None
             if self.cluster.data_tls:
                 tls = server_tls_context(self.config.tls_cert_file, self.config.tls_key_file)
+            shares = TransferShares(
+                self.config.tenant_data_inflight_bytes, self.config.tenant_data_transfers, self.config.tenant_wait_ms
+            )
             self.data_server = make_data_server(
-                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials, tls
+                self.cluster.transport, NodeBlockStore(self.node), listen, self.credentials, tls, shares
             )
             self.data_server.start()
             log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)
@@ -178,7 +182,11 @@ class ClusterAgent:
             self.membership.start(self.supervisor.fail, first_round_s=self.etcd.timeout_s * 2)
         if self.cluster.directory_list or self.etcd is not None:
             self.link = DirectoryLink(
-                self.cluster.directory_list, self.etcd, self.cluster.cluster, token=load_token(self.cluster.token_file)
+                self.cluster.directory_list,
+                self.etcd,
+                self.cluster.cluster,
+                token=load_token(self.cluster.token_file),
+                root_certs=load_root_certs(self.cluster.directory_tls_ca, "directory's CA certificate"),
             )
             self.supervisor.spawn("directory-sync", self._sync_loop)
         if self.cluster.kv_events_endpoint:

@@ -352,6 +352,14 @@ OPTIONS: list[Option] = [
         "0 = bill calls by their request size only.",
     ),
     Option(
+        "--tenant-call-cost-items",
+        "tenant_call_cost_items",
+        int,
+        "per-tenant fairness: every call also costs this many hashes against the tenant's rate (the "
+        "work of receiving and answering it), so a flood of small calls is rate-limited too. "
+        "0 = calls under 1,024 hashes are never rate-limited.",
+    ),
+    Option(
         "--tenant-max-calls",
         "tenant_max_calls",
         int,
@@ -363,6 +371,20 @@ OPTIONS: list[Option] = [
         "tenant_wait_ms",
         int,
         "how long a call over its tenant's budget or rate waits for room before TENANT_BUSY.",
+    ),
+    Option(
+        "--tenant-data-inflight-bytes",
+        "tenant_data_inflight_bytes",
+        parse_bytes,
+        "per-tenant fairness on the TCP data plane: bytes of READ / WRITE transfers one tenant may have "
+        "in flight at once (a transfer alone always runs); past it a transfer waits --tenant-wait-ms, then "
+        "is answered BUSY (a miss for the reader). 0 = ungated.",
+    ),
+    Option(
+        "--tenant-data-transfers",
+        "tenant_data_transfers",
+        int,
+        "per-tenant fairness on the TCP data plane: transfers one tenant may have running or waiting at once.",
     ),
     Option(
         "--max-namespaces",
@@ -415,6 +437,14 @@ OPTIONS: list[Option] = [
         "file holding the cluster token this node presents to a directory with credentials "
         "(its sha256 is [cluster] token_sha256 there).",
         default_means="none",
+    ),
+    Option(
+        "--directory-tls-ca",
+        "cluster.directory_tls_ca",
+        str,
+        "PEM CA certificate of a directory that serves TLS (its --tls-cert-file, or the CA that signed "
+        "it): the node then dials the directory over TLS. See docs/security.md.",
+        default_means="none (plaintext)",
     ),
     Option("--transport", "cluster.transport", str, "data plane between nodes: tcp, ucx or nixl (docs/cluster.md)."),
     Option(

@@ -36,6 +36,7 @@ import grpc
 
 from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
+from kvpool.rpc.auth import make_channel
 
 
 def free_port() -> int:
@@ -150,13 +151,21 @@ class LocalCluster:
     """Start and stop the processes of a loopback cluster under ``workdir``."""
 
     def __init__(
-        self, workdir: str, env: dict[str, str] | None = None, token: str = "", die_with_parent: bool = False
+        self,
+        workdir: str,
+        env: dict[str, str] | None = None,
+        token: str = "",
+        die_with_parent: bool = False,
+        tls_root_certs: bytes | None = None,
     ) -> None:
         """``token``: what the readiness probes present to processes started with
-        credentials (the cluster token or an admin's). ``die_with_parent``: see the module
-        docstring (only from the main thread: the kernel signals when the forking *thread* ends)."""
+        credentials (the cluster token or an admin's); ``tls_root_certs``: the CA they verify
+        processes started with TLS against (then every probe dials TLS). ``die_with_parent``:
+        see the module docstring (only from the main thread: the kernel signals when the
+        forking *thread* ends)."""
         self.workdir = workdir
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._root_certs = tls_root_certs
         self.env = {**os.environ, **(env or {})}
         self.procs: list[Proc] = []
         self.etcd_address = ""
@@ -191,6 +200,11 @@ class LocalCluster:
             proc.extra["cpus"] = ",".join(map(str, cpus))
         self.procs.append(proc)
         return proc
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """A probe's channel: TLS against ``tls_root_certs`` when the cluster was given them."""
+        channel: grpc.Channel = make_channel(address, (), self._root_certs)
+        return channel
 
     def wait_ready(self, proc: Proc, check: Callable[[], bool], timeout_s: float) -> None:
         """Wait until ``check`` holds; ``ChildExited`` (with its log's tail) if ``proc`` exits first."""
@@ -269,7 +283,7 @@ class LocalCluster:
         proc = self.spawn(name, argv, address, etcd)
 
         def ready() -> bool:
-            with grpc.insecure_channel(address) as ch:
+            with self._channel(address) as ch:
                 reply = directory_pb2_grpc.DirectoryStub(ch).Leader(
                     directory_pb2.LeaderRequest(), timeout=1, metadata=self._metadata
                 )
@@ -319,7 +333,7 @@ class LocalCluster:
         proc = self.spawn(name, argv, address, etcd)
 
         def ready() -> bool:
-            with grpc.insecure_channel(address) as ch:
+            with self._channel(address) as ch:
                 stats = pool_pb2_grpc.PoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=1, metadata=self._metadata)
                 proc.extra["arena_path"] = json.loads(stats.json).get("arena_path", "")
                 return True
@@ -329,7 +343,7 @@ class LocalCluster:
 
             def registered() -> bool:
                 for directory in directories:
-                    with grpc.insecure_channel(directory) as ch:
+                    with self._channel(directory) as ch:
                         try:
                             nodes = directory_pb2_grpc.DirectoryStub(ch).Nodes(
                                 directory_pb2.NodesRequest(), timeout=1, metadata=self._metadata
@@ -367,10 +381,41 @@ class PoolLayout:
     nodes: int = 1
     capacity_bytes: str = "256MiB"
     slab_bytes: str = "16MiB"
+    # TLS on every control plane (the directory's and the nodes'): a certificate for
+    # 127.0.0.1, its key, and the CA that signed it ("" = the certificate itself, self-signed)
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise InvalidArgument(f"a pool needs at least one node, got {self.nodes}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
+
+    @property
+    def ca_file(self) -> str:
+        return self.tls_ca_file or self.tls_cert_file
+
+    def listener_arguments(self) -> list[str]:
+        """TLS on a control-plane listener (the directory's or a node's)."""
+        if not self.tls_cert_file:
+            return []
+        return ["--tls-cert-file", self.tls_cert_file, "--tls-key-file", self.tls_key_file]
+
+    def node_arguments(self, with_directory: bool) -> list[str]:
+        """A node's TLS flags: its control and data planes (a ``ClusterClient`` given a CA
+        dials both over TLS), and the directory's CA when it has one."""
+        if not self.tls_cert_file:
+            return []
+        directory = ["--directory-tls-ca", self.ca_file] if with_directory else []
+        return [*self.listener_arguments(), "--data-tls", *directory]
+
+    def directory_arguments(self) -> list[str]:
+        """The directory's TLS flags: its listener, and the nodes' CA (forwards)."""
+        if not self.tls_cert_file:
+            return []
+        return [*self.listener_arguments(), "--node-tls-ca", self.ca_file]
 
 
 @dataclass(frozen=True)
@@ -383,13 +428,15 @@ class PoolAddresses:
 def start_pool(cluster: LocalCluster, layout: PoolLayout) -> PoolAddresses:
     """Start the pool processes of ``layout`` in ``cluster``; ``stop()`` ends them."""
     if layout.nodes == 1:
-        node = cluster.start_node("node-0", capacity=layout.capacity_bytes, slab=layout.slab_bytes)
+        node_tls = layout.node_arguments(with_directory=False)
+        node = cluster.start_node("node-0", capacity=layout.capacity_bytes, slab=layout.slab_bytes, extra=node_tls)
         return PoolAddresses((node.address,), "", "")
     cluster.start_etcd()
-    directory = cluster.start_directory()
+    directory = cluster.start_directory(extra=layout.directory_arguments())
+    node_tls = layout.node_arguments(with_directory=True)
     nodes = tuple(
         cluster.start_node(
-            f"node-{i}", [directory.address], capacity=layout.capacity_bytes, slab=layout.slab_bytes
+            f"node-{i}", [directory.address], capacity=layout.capacity_bytes, slab=layout.slab_bytes, extra=node_tls
         ).address
         for i in range(layout.nodes)
     )

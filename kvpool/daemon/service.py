@@ -24,7 +24,7 @@ loopback default) every caller is ``ANONYMOUS``, as before.
 
 Fairness: every unary call but the stream runs inside ``TenantGate.admit`` (``gated``),
 which bounds the cost units and the worker threads one tenant has in flight
-(``kvpool/daemon/fairness.py``); a call past its tenant's share is ``TenantBusy`` having
+(``kvpool/core/fairness.py``); a call past its tenant's share is ``TenantBusy`` having
 done nothing. The tenant is the credential's tenant name, or without credentials the
 request's namespace (the connection, for calls that name none).
 """
@@ -43,10 +43,10 @@ import grpc
 
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, PermissionDenied
+from kvpool.core.fairness import request_cost, tenant_key
 from kvpool.core.hashing import HASH_SCHEME, pack_hashes
 from kvpool.core.keys import NAMESPACE_BYTES, BlockKeys, hashes_of, key_hash
 from kvpool.daemon import introspect
-from kvpool.daemon.fairness import TenantGate, request_cost
 from kvpool.daemon.node import NamespaceInfo, PoolNode
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import principal_of
@@ -100,7 +100,7 @@ def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
                 with self.gate.admit(tenant, units, method.__name__):
                     reply = method(self, request, context)
                 # the blocks it walked, billed now that they are known (fairness.TenantGate.charge)
-                self.gate.charge(tenant, self._walk_units(request, units))
+                self.gate.charge(tenant, self._walk_units())
                 return reply
             except KVPoolError as err:
                 if method.__name__ == "Lease":  # why a reader got nothing: kvpool inspect lookup says
@@ -138,22 +138,17 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self.max_event_subscribers = max_event_subscribers
         self.admin_enabled = node.config.admin_enabled
         cfg = node.config
-        self.gate = TenantGate(
-            cfg.tenant_budget_units, cfg.tenant_calls, cfg.tenant_wait_ms, rate_units_per_s=cfg.tenant_rate_units_per_s
-        )
+        self.limits = cfg.tenant_limits
+        self.gate = self.limits.gate(cfg.grpc_workers)
         self._current = threading.local()  # the principal ``gated`` identified for this thread's call
 
     # helpers
-    def _walk_units(self, request: Any, admitted_units: int) -> int:
-        """Cost units of the blocks this thread's call walked (``_current.walked``) beyond what
-        its request was admitted for: ``1 + (hashes + walk_cost x walked) / 1024`` less the
-        admission cost. Calls that walked fewer than about 100 blocks owe nothing more."""
-        walked = int(getattr(self._current, "walked", 0))
-        weight = self.node.config.tenant_walk_cost_items
-        if not walked or not weight:
-            return 0
-        items = len(getattr(request, "hashes", b"")) // 16
-        return max(0, request_cost(items + weight * walked) - admitted_units)
+    def _walk_units(self) -> float:
+        """Cost units of the blocks this thread's call walked (``_current.walked``), billed
+        after the call: ``walk_cost x walked / 1024``, a fraction for a short walk (so a flood
+        of small lookups that hit pays for its walks too; before, walks under about 100 blocks
+        owed nothing)."""
+        return self.limits.walk_units(int(getattr(self._current, "walked", 0)))
 
     def _caller(self, context: grpc.ServicerContext) -> Principal:
         if getattr(self._current, "context", None) is context:
@@ -166,11 +161,9 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         (every caller is the same ANONYMOUS principal then) the namespace the call names, or
         for a Release / PutCommit / PutAbort the namespace of the lease or put it names, or
         else one share for every call that names no known namespace."""
-        if self.credentials is not None:
-            return principal.name
         namespace = bytes(getattr(request, "namespace", b""))
-        if namespace:
-            return namespace
+        if self.credentials is not None or namespace:
+            return tenant_key(self.credentials is not None, principal.name, namespace)
         ids = list(request.lease_ids[:1]) if hasattr(request, "lease_ids") else []
         ids += [request.put_id] if hasattr(request, "put_id") else []
         owner = self.node.store.owner_of(int(ids[0])) if ids else None

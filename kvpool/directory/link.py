@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvpool.core.errors import InvalidArgument, NotLeader, Unavailable
+from kvpool.core.errors import InvalidArgument, NotLeader, TenantBusy, Unavailable
 from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.directory.etcd import EtcdSession, find_leader
 from kvpool.proto import directory_pb2, directory_pb2_grpc
-from kvpool.rpc.auth import call_metadata
+from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
-from kvpool.rpc.errors import from_rpc_error
+from kvpool.rpc.errors import TLS_HINT, TlsFailed, from_rpc_error
 
 log = logging.getLogger("kvpool.directory.link")
 
@@ -29,6 +29,9 @@ T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 << 20
 #: a standby's NOT_LEADER or a dead leader's UNAVAILABLE: find the leader and call once more
 FAILOVER_REDIRECT = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
+#: the directory's TENANT_BUSY (this tenant past its share): 3 retries after 10, 20, 40 ms, as
+#: PoolClient does with a node's; then the caller gets it (a read treats it as a miss)
+BUSY_RETRY = RetryPolicy(first_delay_ms=10, max_delay_ms=40, max_attempts=4)
 
 
 class DirectoryLink:
@@ -40,10 +43,13 @@ class DirectoryLink:
         timeout_s: float = 5.0,
         token: str = "",
         owns_etcd: bool = False,
+        root_certs: bytes | None = None,
     ) -> None:
         """``token``: sent with every call (a tenant's for a client, the cluster token for
         a node) to a directory with credentials. ``owns_etcd``: ``close`` closes ``etcd``
-        too (a client's own session; a node shares its session with its membership)."""
+        too (a client's own session; a node shares its session with its membership).
+        ``root_certs``: PEM CA of a TLS directory (every instance: a failover dials another);
+        None dials in plaintext."""
         if not addresses and etcd is None:
             raise InvalidArgument("no directory address and no etcd endpoint", hint="pass --directory or --etcd")
         self.addresses = list(addresses)
@@ -52,6 +58,7 @@ class DirectoryLink:
         self.cluster = cluster
         self.timeout_s = timeout_s
         self._metadata = call_metadata(token)
+        self._root_certs = root_certs
         self._lock = threading.Lock()
         self._leader = ""
         self._channel: grpc.Channel | None = None
@@ -62,12 +69,13 @@ class DirectoryLink:
         return self._leader
 
     def _stub_for(self, address: str) -> tuple[grpc.Channel, directory_pb2_grpc.DirectoryStub]:
-        channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+        channel: grpc.Channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), self._root_certs)
         return channel, directory_pb2_grpc.DirectoryStub(channel)
 
     def discover(self) -> str:
         """Find the leader now (etcd first, then each configured address)."""
         errors: list[str] = []
+        tls_failures = 0
         if self.etcd is not None:
             try:
                 return self._use(find_leader(self.etcd, self.cluster))
@@ -80,7 +88,9 @@ class DirectoryLink:
                     directory_pb2.LeaderRequest(), timeout=min(self.timeout_s, 2.0), metadata=self._metadata
                 )
             except grpc.RpcError as exc:
-                errors.append(f"{address}: {from_rpc_error(exc, address)}")
+                failure = from_rpc_error(exc, address)
+                tls_failures += isinstance(failure, TlsFailed)
+                errors.append(f"{address}: {failure}")
                 channel.close()
                 continue
             channel.close()
@@ -88,9 +98,12 @@ class DirectoryLink:
                 return self._use(address)
             if reply.leader:
                 return self._use(reply.leader)
+        if tls_failures and tls_failures == len(errors):  # every directory refused our TLS: configuration
+            raise TlsFailed(f"no directory accepted the TLS handshake ({'; '.join(errors)})", hint=TLS_HINT)
         raise Unavailable(
             f"no directory leader found ({'; '.join(errors) or 'no candidates'})",
-            hint="start 'kvpool directory' and check --directory / --etcd",
+            hint="start 'kvpool directory' and check --directory / --etcd"
+            + ("; a directory that serves TLS needs its CA (--directory-tls-ca)" if self._root_certs is None else ""),
         )
 
     def _use(self, address: str) -> str:
@@ -121,9 +134,12 @@ class DirectoryLink:
             with self._lock:
                 self._stub = None
 
+        def redirected() -> Any:
+            return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
+
         if self._stub is None:
             self.discover()  # not finding a leader at all is not retried here
-        return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
+        return retry_call(redirected, BUSY_RETRY, lambda e: isinstance(e, TenantBusy))
 
     def close(self) -> None:
         with self._lock:

@@ -4,6 +4,8 @@ State in memory (``DirectoryState``), persisted to RocksDB under ``data_dir`` wh
 given; node liveness from heartbeats and, with etcd, from each node's etcd lease; leader
 election through etcd when endpoints are given (else this instance simply leads).
 Background work (expiry, flush, election, etcd watch) runs under one ``Supervisor``.
+TLS on the listener when ``tls_cert_file`` is set (``grpc.ssl_server_credentials``, as the
+node); off loopback it refuses to start without credentials and TLS unless ``insecure``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -19,6 +21,7 @@ import grpc
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.config import is_loopback_address
 from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.fairness import TenantLimits
 from kvpool.core.supervisor import Supervisor
 from kvpool.directory.election import LeaderElection
 from kvpool.directory.etcd import EtcdSession
@@ -28,7 +31,7 @@ from kvpool.directory.service import DirectoryService
 from kvpool.directory.state import DirectoryDB, DirectoryState
 from kvpool.proto import directory_pb2
 from kvpool.rpc.codec import server_options
-from kvpool.rpc.credentials import load_credentials, load_token
+from kvpool.rpc.credentials import load_credentials, load_root_certs, load_tls, load_token
 from kvpool.rpc.metrics import ServiceMetrics
 from kvpool.rpc.serving import add_typed_service
 
@@ -50,8 +53,13 @@ class DirectoryConfig:
     max_message_bytes: int = 64 << 20
     credentials_file: str = ""  # who may call (docs/security.md); "" = anyone, loopback only unless insecure
     cluster_token_file: str = ""  # the cluster token, presented to nodes when forwarding removes / pins
-    insecure: bool = False  # allow a non-loopback listener without credentials
+    tls_cert_file: str = ""  # PEM certificate chain of the listener; "" = plaintext (docs/security.md)
+    tls_key_file: str = ""  # its PEM private key
+    node_tls_ca_file: str = ""  # PEM CA the nodes' TLS control planes are verified with (forwards)
+    insecure: bool = False  # allow a non-loopback listener without credentials and TLS
     metrics_listen: str = ""  # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md)
+    # per-tenant shares of the directory's workers and time (the node's --tenant-* options)
+    tenant: TenantLimits = field(default_factory=TenantLimits)
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -59,10 +67,19 @@ class DirectoryConfig:
             raise InvalidArgument(f"listen address {self.listen!r} is not HOST:PORT", hint="e.g. 127.0.0.1:7440")
         if self.node_ttl_ms <= 0 or self.election_ttl_s <= 0:
             raise InvalidArgument("node_ttl_ms and election_ttl_s must be positive")
-        if not self.insecure and not self.credentials_file and not is_loopback_address(self.listen):
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file", hint="give both, or neither")
+        missing = [
+            what
+            for what, ok in (("--credentials", self.credentials_file), ("--tls-cert-file", self.tls_cert_file))
+            if not ok
+        ]
+        if missing and not self.insecure and not is_loopback_address(self.listen):
+            # the node's rule (core/config.py): a bearer token in plaintext can be read off the wire
             raise InvalidArgument(
-                f"refusing to listen on {self.listen} (not loopback) without --credentials",
-                hint="configure credentials (docs/security.md), keep it on 127.0.0.1, or pass --insecure",
+                f"refusing to listen on {self.listen} (not loopback) without {' and '.join(missing)}",
+                hint="configure credentials and TLS (docs/security.md), keep it on 127.0.0.1, "
+                "or pass --insecure on a network you trust",
             )
         if self.metrics_listen and not self.insecure and not is_loopback_address(self.metrics_listen):
             raise InvalidArgument(
@@ -91,7 +108,11 @@ class DirectoryServer:
             self._extra_stats,
             credentials=load_credentials(config.credentials_file),
             cluster_token=load_token(config.cluster_token_file),
+            node_root_certs=load_root_certs(config.node_tls_ca_file, "nodes' CA certificate"),
+            limits=config.tenant,
+            workers=config.grpc_workers,
         )
+        self._tls = load_tls(config.tls_cert_file, config.tls_key_file)
         self.metrics = ServiceMetrics(DirectoryCollector(self.state.summary, self.is_leader), "directory")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-dir"),
@@ -129,7 +150,10 @@ class DirectoryServer:
     def start(self) -> None:
         self.supervisor.install_stop_signals()
         try:
-            port = self._server.add_insecure_port(self.config.listen)
+            if self._tls is not None:
+                port = self._server.add_secure_port(self.config.listen, self._tls)
+            else:
+                port = self._server.add_insecure_port(self.config.listen)
         except RuntimeError:
             port = 0
         if port == 0:
@@ -147,7 +171,12 @@ class DirectoryServer:
         self.supervisor.every("expire", self.config.expire_interval_ms, self._expire)
         if self.db is not None:
             self.supervisor.every("flush", self.config.flush_interval_ms, self.state.flush)
-        log.info("directory on %s (leader: %s)", self.address, self.leader() or "electing")
+        log.info(
+            "directory on %s, %s (leader: %s)",
+            self.address,
+            "TLS" if self._tls is not None else "plaintext",
+            self.leader() or "electing",
+        )
 
     def _expire(self) -> None:
         if self.is_leader():

@@ -14,26 +14,31 @@ Remove / Pin only for a namespace the caller's credential may use; Release only 
 caller's own leases (ids are random, and each lease's namespace is checked); Stats
 node-wide counts only for the admin or cluster token (a tenant gets the node list); Place,
 Leader and Nodes any known token. Removes and pins forwarded to nodes carry the cluster
-token.
+token (over TLS when the nodes serve it: ``node_root_certs``).
+
+Fairness: every call of a tenant runs inside the node's policy (``gated``,
+``kvpool/core/fairness.py``): past its share it is ``TenantBusy`` having done nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from kvpool.core.auth import Credentials, Principal
 from kvpool.core.errors import InvalidArgument, KVPoolError, NotLeader, PermissionDenied
+from kvpool.core.fairness import TenantLimits, request_cost, tenant_key
 from kvpool.core.hashing import pack_hashes, unpack_hashes
 from kvpool.core.keys import BLOCK_KEY_BYTES, block_keys, check_namespace, group_by_namespace
 from kvpool.directory.state import DirectoryState, EventIn, NodeRecord
 from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
-from kvpool.rpc.auth import Metadata, call_metadata, principal_of
+from kvpool.rpc.auth import Metadata, call_metadata, make_channel, principal_of
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error, typed_handler
 
@@ -54,6 +59,46 @@ def bounded_hashes(packed: bytes, what: str) -> list[bytes]:
     if len(hashes) > MAX_BATCH_BLOCKS:
         raise InvalidArgument(f"{what} names {len(hashes)} blocks; the limit is {MAX_BATCH_BLOCKS}", hint="split it")
     return hashes
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _hashes_cost(request: Any) -> int:
+    return request_cost(len(request.hashes) // 16)
+
+
+def gated(cost: Callable[[Any], int]) -> Callable[[F], F]:
+    """Run a handler as one of its caller's tenant's calls of ``cost(request)`` units
+    (``TenantGate``, the node's policy): a tenant past its share is ``TenantBusy`` having
+    done nothing; the blocks a Lookup found are billed after it. The admin and the cluster
+    token (nodes, the directory's own forwards) are not gated; nor are Register and
+    Heartbeat, which only nodes may send; nor, without credentials, calls naming no
+    namespace."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def inner(self: DirectoryService, request: Any, context: grpc.ServicerContext) -> Any:
+            principal = principal_of(context, self.credentials)
+            self._current.context, self._current.principal = context, principal
+            named = self.credentials is not None
+            try:
+                namespace = bytes(getattr(request, "namespace", b""))
+                if (named and (principal.admin or principal.cluster)) or not (named or namespace):
+                    # without credentials a call that names no namespace (Place, Nodes, Stats,
+                    # Leader, Release) has no tenant to count against: every client would share one
+                    return method(self, request, context)
+                tenant = tenant_key(named, principal.name, namespace)
+                with self.gate.admit(tenant, cost(request), f"Directory.{method.__name__}"):
+                    reply = method(self, request, context)
+                self.gate.charge(tenant, self.limits.walk_units(int(getattr(reply, "hits", 0))))
+                return reply
+            finally:
+                self._current.context = self._current.principal = None
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
 
 
 def node_to_msg(node: NodeRecord) -> directory_pb2.NodeInfo:
@@ -79,10 +124,19 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         credentials: Credentials | None = None,
         cluster_token: str = "",
+        node_root_certs: bytes | None = None,
+        limits: TenantLimits | None = None,
+        workers: int = 16,
     ) -> None:
         """``credentials``: who may call (None: everyone, the loopback default);
-        ``cluster_token``: presented to nodes when forwarding removes and pins."""
+        ``cluster_token``: presented to nodes when forwarding removes and pins, over TLS
+        verified against ``node_root_certs`` when given (nodes with --tls-cert-file)."""
         self.credentials = credentials
+        self._node_root_certs = node_root_certs
+        # per-tenant shares (kvpool/core/fairness.py): a tenant's calls past them are TENANT_BUSY
+        self.limits = limits if limits is not None else TenantLimits()
+        self.gate = self.limits.gate(workers)
+        self._current = threading.local()  # the principal ``gated`` identified for this call
         self._node_metadata: Metadata | None = call_metadata(cluster_token)
         self.state = state
         self._is_leader = is_leader
@@ -100,6 +154,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             )
 
     def _caller(self, context: grpc.ServicerContext) -> Principal:
+        if getattr(self._current, "context", None) is context:
+            principal: Principal = self._current.principal
+            return principal
         return principal_of(context, self.credentials)
 
     def _require_node(self, context: grpc.ServicerContext, what: str) -> None:
@@ -122,7 +179,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         with self._stubs_lock:
             stub = self._stubs.get(address)
             if stub is None:
-                stub = pool_pb2_grpc.PoolStub(grpc.insecure_channel(address, options=channel_options(64 << 20)))
+                channel = make_channel(address, channel_options(64 << 20), self._node_root_certs)
+                stub = pool_pb2_grpc.PoolStub(channel)
                 self._stubs[address] = stub
             return stub
 
@@ -215,6 +273,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.HeartbeatReply(resync=resync, acked_seq=acked)
 
     @typed_handler
+    @gated(_hashes_cost)
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> Any:
         self._authorise(context, bytes(request.namespace))
         self._lead()
@@ -229,6 +288,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         )
 
     @typed_handler
+    @gated(lambda r: 1)
     def Place(self, request: directory_pb2.PlaceRequest, context: grpc.ServicerContext) -> Any:
         self._caller(context)
         self._lead()
@@ -236,6 +296,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.PlaceReply(nodes=[node_to_msg(n) for n in nodes])
 
     @typed_handler
+    @gated(lambda r: request_cost(len(r.lease_ids)))
     def Release(self, request: directory_pb2.LeaseRelease, context: grpc.ServicerContext) -> Any:
         principal = self._caller(context)
         self._lead()
@@ -248,6 +309,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.ReleaseReply(released=released)
 
     @typed_handler
+    @gated(_hashes_cost)
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> Any:
         self._authorise(context, bytes(request.namespace))
         self._lead()
@@ -257,6 +319,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.RemoveReply(removed=removed, deferred=deferred)
 
     @typed_handler
+    @gated(_hashes_cost)
     def Pin(self, request: directory_pb2.PinRequest, context: grpc.ServicerContext) -> Any:
         self._authorise(context, bytes(request.namespace))
         self._lead()
@@ -265,6 +328,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.PinReply(changed=changed)
 
     @typed_handler
+    @gated(lambda r: 1)
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> Any:
         principal = self._caller(context)
         summary: dict[str, Any] = dict(self.state.summary())
@@ -276,6 +340,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 "nodes": [{k: v for k, v in n.items() if k not in ("blocks", "confirmed")} for n in summary["nodes"]],
                 "scope": f"tenant {principal.name!r}: node-wide counts need the admin token",
             }
+        else:
+            summary["tenant_calls_waited"] = self.gate.waited  # per-tenant fairness (core/fairness.py)
+            summary["tenant_calls_refused"] = self.gate.refused
         summary["is_leader"] = self._is_leader()
         summary["leader"] = self._leader()
         if self._extra_stats is not None:
@@ -283,11 +350,13 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.StatsReply(json=json.dumps(summary, sort_keys=True, default=str))
 
     @typed_handler
+    @gated(lambda r: 1)
     def Leader(self, request: directory_pb2.LeaderRequest, context: grpc.ServicerContext) -> Any:
         self._caller(context)
         return directory_pb2.LeaderReply(leader=self._leader(), is_leader=self._is_leader())
 
     @typed_handler
+    @gated(lambda r: 1)
     def Nodes(self, request: directory_pb2.NodesRequest, context: grpc.ServicerContext) -> Any:
         self._caller(context)
         self._lead()

@@ -49,6 +49,14 @@ def load_token(path: str, what: str = "cluster token file") -> str:
     return token
 
 
+def load_root_certs(path: str, what: str = "CA certificate") -> bytes | None:
+    """The PEM root certificates a client verifies a TLS server against (None without a
+    file: the client dials in plaintext)."""
+    if not path:
+        return None
+    return read_bounded(path, MAX_PEM_FILE_BYTES, what)
+
+
 def load_tls(cert_file: str, key_file: str) -> grpc.ServerCredentials | None:
     """TLS credentials for a listener (None without a certificate: plaintext)."""
     if not cert_file:

@@ -111,6 +111,29 @@ def typed_handler(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class TlsFailed(Unavailable):
+    """A TLS handshake with the peer failed: its certificate is not signed by the CA the
+    client was given, does not name the address dialled, or one side speaks plaintext.
+    Configuration, not an outage: retrying does not help (docs/security.md, TLS). An
+    ``Unavailable`` on the wire and to callers that catch that; raised only client-side."""
+
+
+#: what gRPC's details say when a TLS handshake failed (an unknown CA, a wrong name, a
+#: plaintext peer): lower-case fragments of BoringSSL's and gRPC core's messages
+_TLS_FAILURE_WORDS = ("ssl", "handshake", "certificate", "tls")
+TLS_HINT = (
+    "a TLS server needs its CA certificate on the client (tls_root_certs=..., --tls-ca / "
+    "--directory-tls-ca), a certificate naming the address dialled, and a plaintext server a "
+    "plaintext client: docs/security.md, TLS"
+)
+
+
+def looks_like_tls_failure(details: str) -> bool:
+    """Whether an UNAVAILABLE call's details name a TLS handshake failure."""
+    low = details.lower()
+    return any(word in low for word in _TLS_FAILURE_WORDS)
+
+
 def from_rpc_error(exc: grpc.RpcError, address: str) -> KVPoolError:
     """The typed error for a failed call to the daemon at ``address``."""
     code = exc.code() if hasattr(exc, "code") else None
@@ -123,6 +146,11 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KVPoolError:
     if isinstance(wire, str):
         hint = metadata.get(HINT_KEY, "")
         return error_from_code(ErrorCode.from_wire_name(wire), str(details), str(hint))
+    if code == grpc.StatusCode.UNAVAILABLE and looks_like_tls_failure(str(details)):
+        return TlsFailed(
+            f"TLS with {address} failed ({details})",
+            hint=TLS_HINT,
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(
             f"the kvpool daemon at {address} is not reachable ({details})",

@@ -11,6 +11,7 @@ import ssl
 from kvpool.core.auth import Credentials
 from kvpool.core.errors import InvalidArgument
 from kvpool.transport.base import BlockStore, DataServer, Transport
+from kvpool.transport.shares import TransferShares
 from kvpool.transport.tcp import TcpDataServer, TcpTransport
 
 log = logging.getLogger("kvpool.transport")
@@ -45,11 +46,14 @@ def make_data_server(
     listen: str,
     credentials: Credentials | None = None,
     tls: ssl.SSLContext | None = None,
+    shares: TransferShares | None = None,
 ) -> DataServer:
     """``credentials``: peers must pass AUTH first (docs/security.md); None admits every peer.
-    ``tls``: every connection is TLS (``tls.server_tls_context``; UCX / NIXL bytes are not)."""
+    ``tls``: every connection is TLS (``tls.server_tls_context``; UCX / NIXL bytes are not).
+    ``shares``: per-tenant bounds on TCP transfers in flight (``shares.py``); None = ungated."""
     server = _make_data_server(kind, store, listen, credentials)
     server.tls_context = tls
+    server.shares = shares
     return server
 
 

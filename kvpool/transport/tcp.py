@@ -20,6 +20,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from kvpool.core.errors import (
     InvalidArgument,
     KVPoolError,
     NotFound,
+    TenantBusy,
     Unauthenticated,
     Unavailable,
     UnknownNamespace,
@@ -38,6 +40,7 @@ from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.core.tickets import MAX_TICKET_ID_BYTES, NONCE_BYTES, PROOF_BYTES, ticket_proof
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore, ReadItem, ReadResult, TicketSource, WriteResult
+from kvpool.transport.shares import TransferShares
 from kvpool.transport.tls import client_tls_context
 
 log = logging.getLogger("kvpool.transport")
@@ -108,6 +111,8 @@ class TcpDataServer:
         self.bytes_received = 0
         #: TLS for every accepted connection (``server_tls_context``); None = plaintext. Set before ``start``.
         self.tls_context: ssl.SSLContext | None = None
+        #: per-tenant shares of READ / WRITE transfers (``shares.py``); None = ungated. Set before ``start``.
+        self.shares: TransferShares | None = None
 
     def start(self) -> None:
         host, port = split_address(self._listen)
@@ -219,10 +224,9 @@ class TcpDataServer:
                     continue
                 if op != wire.OP_PING and not self._admitted(conn, principal, op, namespace, peer):
                     return
-                if op == wire.OP_READ:
-                    self._serve_read(conn, count, namespace)
-                elif op == wire.OP_WRITE:
-                    if not self._serve_write(conn, count, namespace, peer):
+                if op in (wire.OP_READ, wire.OP_WRITE):
+                    assert principal is not None  # _admitted
+                    if not self._serve_transfer(conn, principal, op, count, namespace, peer):
                         return
                 elif op == wire.OP_PING:
                     conn.sendall(wire.pack_reply(wire.STATUS_OK, 0))
@@ -282,6 +286,24 @@ class TcpDataServer:
             conn.sendall(wire.pack_reply(wire.STATUS_DENIED, 0, f"credential {principal.name!r} may not use it"))
             return False
         return True
+
+    def _serve_transfer(
+        self, conn: socket.socket, principal: Principal, op: int, count: int, namespace: bytes, peer: str
+    ) -> bool:
+        """A READ or WRITE within its tenant's share (BUSY past it); False = close the connection."""
+        name = "READ" if op == wire.OP_READ else "WRITE"
+        share: AbstractContextManager[None] = nullcontext()
+        if self.shares is not None:
+            share = self.shares.admit(self._store, principal, self._credentials is not None, namespace, count, name)
+        try:
+            with share:
+                if op == wire.OP_READ:
+                    self._serve_read(conn, count, namespace)
+                    return True
+                return self._serve_write(conn, count, namespace, peer)
+        except TenantBusy as busy:  # raised entering the share: nothing of the request was read yet
+            assert self.shares is not None
+            return self.shares.refuse(conn, self._store, op, count, namespace, busy.message)
 
     def _serve_other(
         self, conn: socket.socket, op: int, count: int, namespace: bytes, state: dict[str, object]

@@ -25,6 +25,9 @@ A server with credentials answers READ / WRITE / READ_UCX / UCX_HELLO / NIXL_* o
 not passed AUTH with UNAUTHENTICATED and closes it; one whose namespace the authenticated
 credential may not use gets DENIED and is closed (``kvpool.core.tickets``).
 
+A READ or WRITE past its tenant's share of the node's data plane (``kvpool/transport/shares.py``)
+is answered BUSY after its request was read and dropped: the connection stays in sync.
+
 A full-block read carries the checksum the writer computed (verified at commit), so the
 check on arrival is end to end. For a byte-range read the server first verifies the WHOLE
 block in its arena against that committed checksum (one xxh3 per block; a block that rotted
@@ -67,6 +70,7 @@ STATUS_FULL = 3  # capacity exhausted
 STATUS_ERROR = 4
 STATUS_UNAUTHENTICATED = 5  # no AUTH yet, or a proof no credential made
 STATUS_DENIED = 6  # the authenticated credential may not use this namespace
+STATUS_BUSY = 7  # the peer's tenant is past its share of this data plane (transport/shares.py): a miss
 
 HEADER = struct.Struct("<4sBBHI16s")  # magic, version, op, flags, count, namespace
 REPLY = struct.Struct("<4sBBHII")  # magic, version, status, flags, count, message length

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_auth import _self_signed
 
 from kvpool.client import PoolClient
 from kvpool.client.cluster_client import ClusterClient
+from kvpool.core.errors import Unavailable
 from kvpool.core.spec import KVSpec
 from kvpool.daemon.launcher import etcd_binary, eventually
 from kvpool.daemon.supervise import same_process_alive
@@ -137,3 +140,37 @@ def test_three_nodes_in_the_background_then_status_and_down(tmp_path: Path) -> N
     assert "SIGKILL" not in down.stdout  # the supervisor stopped its children itself
     assert_all_gone(procs)
     assert cli("status", "--workdir", str(tmp_path)).returncode == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(etcd_binary() is None or shutil.which("openssl") is None, reason="needs etcd and openssl")
+def test_three_nodes_with_tls_in_the_background(tmp_path: Path) -> None:
+    """``--tls-cert-file`` / ``--tls-key-file``: the directory and every node serve TLS (nodes
+    dial the directory over TLS); a client with the CA reads and writes, one without gets
+    nothing from the directory."""
+    cert, key = _self_signed(str(tmp_path))
+    root = Path(cert).read_bytes()
+    workdir = tmp_path / "cluster"
+    up = cli("up", "--background", "--nodes", "3", "--json", "--workdir", str(workdir),
+             "--tls-cert-file", cert, "--tls-key-file", key)  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    info = json.loads(up.stdout)
+    procs = recorded(workdir)
+    try:
+        data = blocks(4, seed=3)
+        connect: dict[str, Any] = {"directory": [info["directory"]], "timeout_s": 5.0, "tls_root_certs": root}
+        with (
+            ClusterClient.connect(SPEC, b"up", local=info["nodes"][0], directory_tls_root_certs=root, **connect) as c,
+            ClusterClient.connect(SPEC, b"up", local=info["nodes"][2], directory_tls_root_certs=root, **connect) as r,
+        ):
+            hashes = c.hashes(np.arange(16 * 4))
+            assert c.put(hashes, data).stored == 4
+            out = np.zeros_like(data)
+            assert eventually(lambda: r.get_into(hashes, out) == 4)  # node-2's client reads node-0 over TLS
+        np.testing.assert_array_equal(out, data)
+        with pytest.raises(Unavailable):  # plaintext to the TLS directory
+            ClusterClient.connect(SPEC, b"up", local="", failover_wait_ms=0, **{**connect, "tls_root_certs": None})
+    finally:
+        down = cli("down", "--workdir", str(workdir))
+    assert down.returncode == 0, down.stderr
+    assert_all_gone(procs)

@@ -24,7 +24,8 @@ from test_auth import NS_A, NS_A2, NS_B, SPEC, TOKEN_A, TOKEN_B, TOKENS, make_bl
 
 from kvpool import PoolClient
 from kvpool.core.auth import token_sha256
-from kvpool.core.errors import ErrorCode
+from kvpool.core.errors import ErrorCode, TenantBusy
+from kvpool.daemon.cluster_local import eventually
 from kvpool.daemon.service import MAX_RELEASE_IDS_PER_CALL
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.errors import from_rpc_error
@@ -151,5 +152,43 @@ def test_the_blocks_a_lookup_finds_are_billed_to_its_tenant(daemon_factory: Any)
                         outcomes.append(-1)
                 assert (outcomes == [-1, -1]) if b_refused else (outcomes == [2048, 2048]), outcomes
                 assert stub.Lookup(big_a, timeout=10).hits == 2048  # A's bucket is its own
-            assert a.lookup(hashes_a) == 64 and b.lookup(hashes_b) == 64  # small calls are never rate-limited
+            # small calls wait out their tenant's debt too (every call pays into the rate): typed
+            # TENANT_BUSY meanwhile, then served
+            for client, hashes in ((a, hashes_a), (b, hashes_b)):
+                assert eventually(lambda c=client, h=hashes: small_lookup(c, h) == 64, timeout_s=30)
+        daemon.stop()
+
+
+def small_lookup(client: PoolClient, hashes: list[bytes]) -> int:
+    """A lookup's hits, or -1 when its tenant is over its share (TENANT_BUSY)."""
+    try:
+        return client.lookup(hashes)
+    except TenantBusy:
+        return -1
+
+
+def test_a_flood_of_small_hit_lookups_is_rate_limited(daemon_factory: Any) -> None:
+    """Lookups of 1,023 hashes that all hit cost one unit each at admission, and their walks
+    are billed after: with a per-call cost (``--tenant-call-cost-items``, on by default) a
+    tenant sending them back to back runs into its rate and is refused TENANT_BUSY, while
+    another tenant's lookups all run; with ``--tenant-call-cost-items 0`` (the rule before)
+    one-unit calls are never rate-limited and the same 40 all run."""
+    for per_call, b_limited in (("64", True), ("0", False)):
+        daemon: DaemonHandle = daemon_factory(
+            "--tenant-call-cost-items", per_call, "--tenant-rate-units-per-s", "20", "--tenant-wait-ms", "20"
+        )
+        with (
+            PoolClient.connect(daemon.address, SPEC, salt=b"salt-a") as a,
+            PoolClient.connect(daemon.address, SPEC, salt=b"salt-b") as b,
+        ):
+            hashes_a, hashes_b = a.hashes(np.arange(16 * 8)), b.hashes(np.arange(16 * 1023))
+            assert a.put(hashes_a, make_blocks(8, seed=43)).stored == 8
+            for i in range(0, 1023, 256):
+                chunk = hashes_b[i : i + 256]
+                assert b.put(chunk, make_blocks(len(chunk), seed=44)).stored == len(chunk)
+            # each call walks 1,023 blocks: about 8 units billed after it, the rate is 20 a second
+            outcomes = [small_lookup(b, hashes_b) for _ in range(40)]
+            assert set(outcomes) <= {1023, -1}
+            assert (-1 in outcomes) == b_limited, outcomes
+            assert all(a.lookup(hashes_a) == 8 for _ in range(20))  # A's own bucket
         daemon.stop()

@@ -1,4 +1,4 @@
-"""Per-tenant fairness (``kvpool/daemon/fairness.py``): a tenant never has more than its
+"""Per-tenant fairness (``kvpool/core/fairness.py``): a tenant never has more than its
 budget of cost units (unless one call runs alone) nor more than its share of worker
 threads; a call past its share is ``TenantBusy`` having run nothing; other tenants are not
 affected; the gate's state is bounded by the calls in it."""
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.core.errors import TenantBusy
-from kvpool.daemon.fairness import COST_ITEMS_PER_UNIT, TenantGate, request_cost
+from kvpool.core.fairness import COST_ITEMS_PER_UNIT, TenantGate, request_cost
 
 
 def test_cost_grows_with_the_items_a_call_carries() -> None:
@@ -205,3 +205,50 @@ def test_a_charged_tenant_waits_its_debt_out_and_the_debt_is_bounded() -> None:
     with gate.admit("a", 2):
         pass
     TenantGate(budget_units=0, max_requests=1, wait_ms=0).charge("a", 5)  # off: a no-op
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rate=st.integers(50, 2000),
+    per_call_items=st.integers(1, 1024),
+    calls=st.lists(st.tuples(st.integers(1, 3), st.integers(0, 40)), min_size=1, max_size=120),
+)
+def test_with_a_per_call_cost_small_calls_are_rate_limited_too(
+    rate: int, per_call_items: int, calls: list[tuple[int, int]]
+) -> None:
+    """``call_rate_units``: every call, also one of a single unit, pays into its tenant's
+    bucket and waits while it is empty, so a flood of small calls (and their walks billed
+    after) is held to the rate: spent <= one burst + the refill + the last call + one second
+    of debt. Another tenant is untouched."""
+    per_call = per_call_items / COST_ITEMS_PER_UNIT
+    clock = StepClock(0.0005)
+    budget = 8
+    gate = TenantGate(budget, 4, 5, rate_units_per_s=rate, clock=clock, call_rate_units=per_call)
+    spent = 0.0
+    for cost, work in calls:
+        try:
+            with gate.admit("a", cost):
+                spent += min(cost, budget) - 1 + per_call + work
+        except TenantBusy:
+            continue
+        gate.charge("a", work)
+    worst_call = max(min(c, budget) - 1 + per_call + w for c, w in calls)
+    assert spent <= budget + clock.now_s * rate + worst_call + rate
+    with gate.admit("b", 1):  # b's bucket is its own, full
+        pass
+
+
+def test_a_tenant_in_debt_waits_even_for_one_unit_calls_with_a_per_call_cost() -> None:
+    clock = StepClock(0.001)
+    gate = TenantGate(8, 4, 20, rate_units_per_s=100, clock=clock, call_rate_units=1 / 16)
+    with gate.admit("a", 1):
+        pass
+    gate.charge("a", 10**9)  # walked far more than it asked for: one second of rate in debt
+    with pytest.raises(TenantBusy, match="cost units per second"), gate.admit("a", 1):
+        pass  # before the per-call cost, a one-unit call ran whatever the debt
+    with gate.admit("b", 1):  # another tenant is not held by a's debt
+        pass
+    clock.now_s += 1.1
+    with gate.admit("a", 1):  # the debt paid, a's small calls run again
+        pass
+    assert gate.refused == 1

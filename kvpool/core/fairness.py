@@ -1,4 +1,10 @@
-"""Per-tenant fairness: a cost-weighted bound on what one tenant has in flight in a node.
+"""Per-tenant fairness: a cost-weighted bound on what one tenant has in flight in a server.
+
+One policy for three servers (``TenantLimits`` holds its options, ``TenantGate`` applies
+them): the node's control plane (``kvpool/daemon/service.py``), the directory
+(``kvpool/directory/service.py``, the same ``--tenant-*`` options) and the TCP data plane
+(``kvpool/transport/shares.py``, bytes for cost units). It lives in core because all three
+sit above it and none may import another.
 
 Why: every tenant's calls share one pool of gRPC worker threads, one store lock and, in
 Python, one interpreter lock. Without a bound, one tenant sending the largest requests the
@@ -23,9 +29,12 @@ admin and cluster credentials are not gated):
 - a tenant may spend at most ``rate_units_per_s`` units per second on bulk (the units of
   a call beyond its first: a token bucket holding one budget, so bursts up to
   ``budget_units`` pass at once); a call past it waits for the tokens, up to ``wait_ms``,
-  then is refused. Calls of one unit (under 1,024 items) are never rate-limited: a
-  tenant making many small calls is bounded by its worker threads, not by a call rate
-  that a busy engine could reach. A refused call has still waited: a tenant that
+  then is refused. **Every** call also pays ``call_rate_units`` (a fraction of a unit:
+  ``--tenant-call-cost-items`` / 1024) into the bucket, and every call waits while its
+  tenant's bucket is empty, so a flood of small calls is bounded by the rate too (its
+  per-call cost: receiving, decoding, answering), and so is a tenant in debt for walked
+  blocks; the fraction is small enough that an engine's call rate (thousands a second)
+  never meets it. A refused call has still waited: a tenant that
   retries at once is slowed down by its own refusals (the daemon still pays for
   receiving each message: see docs/security.md for what this does not stop);
 - work a call does that its request does not show (the blocks a hit lookup or a lease
@@ -54,13 +63,62 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvpool.core.errors import TenantBusy
+from kvpool.core.errors import InvalidArgument, TenantBusy
 
 #: items (hashes, lease ids, checksums) per cost unit beyond the first
 COST_ITEMS_PER_UNIT = 1024
 #: tenants whose token bucket is remembered (least recently used forgotten first: a full one)
 MAX_BUCKETS = 4096
 BUSY_HINT = "retry shortly (PoolClient does, with backoff), or send smaller batches (docs/security.md, fairness)"
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's share of a server: the ``--tenant-*`` options of ``kvpool serve`` and
+    ``kvpool directory`` (the same names and meaning in both; docs/security.md)."""
+
+    budget_units: int = 64  # cost units in flight per tenant; 0 = fairness off
+    rate_units_per_s: int = 1000  # cost units per second per tenant; 0 = no rate
+    max_calls: int = 0  # calls (in flight and waiting) per tenant; 0 = half the server's workers
+    wait_ms: int = 200  # how long a call over its share waits before TENANT_BUSY
+    walk_cost_items: int = 8  # items each block a lookup finds costs, billed after the call
+    call_cost_items: int = 64  # items every call costs besides its own (small calls rate-limited too)
+
+    def __post_init__(self) -> None:
+        values = (
+            self.budget_units,
+            self.rate_units_per_s,
+            self.max_calls,
+            self.wait_ms,
+            self.walk_cost_items,
+            self.call_cost_items,
+        )
+        if min(values) < 0:
+            raise InvalidArgument("the --tenant-* limits must be >= 0")
+
+    def calls(self, workers: int) -> int:
+        """Calls one tenant may hold in a server of ``workers`` threads (default half)."""
+        return self.max_calls or max(1, workers // 2)
+
+    def gate(self, workers: int) -> TenantGate:
+        return TenantGate(
+            self.budget_units,
+            self.calls(workers),
+            self.wait_ms,
+            rate_units_per_s=self.rate_units_per_s,
+            call_rate_units=self.call_cost_items / COST_ITEMS_PER_UNIT,
+        )
+
+    def walk_units(self, walked_blocks: int) -> float:
+        """Cost units of ``walked_blocks`` found by a lookup, billed after it (``charge``)."""
+        return self.walk_cost_items * max(0, walked_blocks) / COST_ITEMS_PER_UNIT
+
+
+def tenant_key(named: bool, principal_name: str, namespace: bytes) -> Hashable:
+    """Whose share a call counts against: with credentials (``named``) the credential's
+    tenant; without (every caller is the same anonymous principal) the namespace the call
+    names, or one shared share for calls that name none."""
+    return principal_name if named else bytes(namespace)
 
 
 def request_cost(items: int) -> int:
@@ -84,8 +142,12 @@ class TenantGate:
         wait_ms: float,
         rate_units_per_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        call_rate_units: float = 0.0,
     ) -> None:
+        """``call_rate_units``: what every call pays into its tenant's token bucket besides its
+        bulk (0: calls of one unit are never rate-limited, the rule before)."""
         self.budget_units = budget_units
+        self.call_rate_units = max(0.0, call_rate_units)
         self.max_requests = max(1, max_requests)
         self.wait_s = max(0.0, wait_ms) / 1000.0
         self.rate_units_per_s = max(0.0, rate_units_per_s)
@@ -153,7 +215,8 @@ class TenantGate:
                 now = self._clock()
                 if deadline is None:
                     deadline = now + self.wait_s
-                bucket = self._tokens(tenant, now) if self.rate_units_per_s and cost > 1 else None
+                rated = self.rate_units_per_s and (cost > 1 or self.call_rate_units)
+                bucket = self._tokens(tenant, now) if rated else None
                 fits = share.cost == 0 or share.cost + cost <= self.budget_units
                 if share.queue[0] == ticket and fits and (bucket is None or bucket[0] > 0):
                     break
@@ -176,7 +239,8 @@ class TenantGate:
             if now > deadline - self.wait_s:
                 self.waited += 1
             if bucket is not None:
-                bucket[0] -= min(cost, self.budget_units) - 1  # the bulk part; a call alone owes one budget at most
+                # the bulk part and the per-call part; a call alone owes one budget at most
+                bucket[0] -= min(cost, self.budget_units) - 1 + self.call_rate_units
             share.cost += cost
             self.admitted += 1
             self._cond.notify_all()  # the next in line may fit beside this one
