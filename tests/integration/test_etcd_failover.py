@@ -7,6 +7,7 @@ Node membership runs on the same session and is followed by a watch.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -94,6 +95,35 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_the_standby_leads(etcd: st
             sa.close()
             sb.close()
             proxy.close()
+
+
+def test_a_leader_that_steps_down_for_a_cut_never_says_etcd_is_ok(etcd: str) -> None:
+    """The status a directory reports (``is_leader``, ``etcd_ok``) is read on another thread
+    than the renewal: from the instant a cut-off leader stops leading it must also say etcd
+    is unreachable (a lease that ran out unrenewed), never "not leader, etcd ok" for the
+    moment its unanswered renewal takes to time out. The session's timeout is the
+    directory's own (2 s, longer than the renewal's budget), as in ``kvpool directory``."""
+    with CuttableProxy(etcd) as proxy:
+        session = EtcdSession([proxy.address]).start()
+        a = LeaderElection(session, "t", "dir-a", ttl_s=2)
+        try:
+            a.start(_crash, first_round_s=5)
+            assert a.is_leader() and a.etcd_ok
+            proxy.cut()
+            contradictions, stepped_down_samples = 0, 0
+            deadline = time.monotonic() + 15
+            while stepped_down_samples < 500 and time.monotonic() < deadline:
+                leads, ok = a.is_leader(), a.etcd_ok
+                if not leads:
+                    stepped_down_samples += 1
+                    contradictions += int(ok)
+                time.sleep(0.0005)
+            assert stepped_down_samples == 500  # it stepped down
+            assert contradictions == 0
+        finally:
+            proxy.restore()
+            a.resign()
+            session.close()
 
 
 def test_resign_hands_over_at_once_and_terms_grow(etcd: str) -> None:

@@ -10,6 +10,7 @@ split the content). The same logic runs inside real vLLM in tests/vllm/.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -44,8 +45,30 @@ def k_and_v(cache: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tens
     return k, v
 
 
+_BUILT_HERE: list[VllmPoolConnectorLogic] = []  # every connector the running test built
+
+
+def new_logic(spec: KVSpec, pool: InProcessPool, page: int, **kw: object) -> VllmPoolConnectorLogic:
+    """A connector that ``shutdown_connectors`` stops when the test ends (its saver thread
+    starts with ``register_kv_caches`` and would otherwise outlive the test)."""
+    logic = VllmPoolConnectorLogic(spec, pool, page, **kw)  # type: ignore[arg-type]
+    _BUILT_HERE.append(logic)
+    return logic
+
+
+@pytest.fixture(autouse=True)
+def shutdown_connectors() -> Iterator[None]:
+    """Stop every connector the test built; no saver thread it started may be left."""
+    before = set(threading.enumerate())
+    yield
+    while _BUILT_HERE:
+        _BUILT_HERE.pop().shutdown()
+    left = [t.name for t in threading.enumerate() if t not in before and t.name == "kvpool-vllm-saver"]
+    assert left == [], "a connector built without new_logic() was not shut down"
+
+
 def connected(backend: str, pool: InProcessPool, kv: dict[str, torch.Tensor], **kw: object) -> VllmPoolConnectorLogic:
-    logic = VllmPoolConnectorLogic(SPEC, pool, PAGE, **kw)  # type: ignore[arg-type]
+    logic = new_logic(SPEC, pool, PAGE, **kw)
     logic.register_kv_caches(kv, backend)
     return logic
 
@@ -139,7 +162,7 @@ def test_kernel_blocks_smaller_than_vllms_block() -> None:
     pool = InProcessPool(SPEC)
     tokens = list(range(9))
     src = caches(7, pages=32, page=2)
-    producer = VllmPoolConnectorLogic(SPEC, pool, PAGE)
+    producer = new_logic(SPEC, pool, PAGE)
     layout = producer.register_kv_caches(src, "FLASH_ATTN", num_blocks=16)
     assert (layout.page_tokens, layout.pages_per_manager_block) == (2, 2)
     plan = producer.plan_save("a", tokens, [5, 3], 0, 9)
@@ -178,22 +201,18 @@ def test_unknown_backend_and_mismatched_caches_are_refused() -> None:
     pool = InProcessPool(SPEC)
     src = caches(3)
     with pytest.raises(SpecMismatch, match="FLASHMLA"):
-        VllmPoolConnectorLogic(SPEC, pool, PAGE).register_kv_caches(src, "FLASHMLA")
+        new_logic(SPEC, pool, PAGE).register_kv_caches(src, "FLASHMLA")
     with pytest.raises(SpecMismatch):  # dtype differs from the pool spec
-        VllmPoolConnectorLogic(SPEC, pool, PAGE).register_kv_caches(
-            {k: v.to(torch.bfloat16) for k, v in src.items()}, "CPU_ATTN"
-        )
+        new_logic(SPEC, pool, PAGE).register_kv_caches({k: v.to(torch.bfloat16) for k, v in src.items()}, "CPU_ATTN")
     with pytest.raises(SpecMismatch, match="content"):  # C is not K|V of head_size (e.g. scales appended)
-        VllmPoolConnectorLogic(SPEC, pool, PAGE).register_kv_caches(
+        new_logic(SPEC, pool, PAGE).register_kv_caches(
             {k: torch.zeros(16, 2, PAGE, 2 * SPEC.head_dim + 2) for k in src}, "FLASH_ATTN"
         )
     with pytest.raises(SpecMismatch, match="strides"):  # a page-packed cache must keep each page contiguous
         wide = torch.zeros(16, 2, PAGE, 4 * SPEC.head_dim)
-        VllmPoolConnectorLogic(SPEC, pool, PAGE).register_kv_caches(
-            {k: wide[..., : 2 * SPEC.head_dim] for k in src}, "CPU_ATTN"
-        )
+        new_logic(SPEC, pool, PAGE).register_kv_caches({k: wide[..., : 2 * SPEC.head_dim] for k in src}, "CPU_ATTN")
     with pytest.raises(InvalidArgument):
-        VllmPoolConnectorLogic(SPEC, pool, 3)
+        new_logic(SPEC, pool, 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -270,7 +289,7 @@ def test_tp2_writer_saves_whole_blocks_through_head_allgather(backend: str) -> N
 
 def test_full_save_queue_drops_saves_and_counts_them() -> None:
     pool = InProcessPool(SPEC)
-    logic = VllmPoolConnectorLogic(SPEC, pool, PAGE, max_pending_save_bytes=SPEC.block_bytes - 1)
+    logic = new_logic(SPEC, pool, PAGE, max_pending_save_bytes=SPEC.block_bytes - 1)
     logic.register_kv_caches(caches(8), "CPU_ATTN")
     plan = logic.plan_save("w", list(range(9)), [0, 1, 2], 0, 9)
     assert plan is not None
@@ -290,7 +309,7 @@ def test_full_save_queue_drops_saves_and_counts_them() -> None:
 def test_chunked_schedule_saves_each_full_prompt_block_once_in_order(
     prompt_len: int, chunks: list[int], local_hit_blocks: int
 ) -> None:
-    logic = VllmPoolConnectorLogic(SPEC, InProcessPool(SPEC), PAGE)
+    logic = new_logic(SPEC, InProcessPool(SPEC), PAGE)
     tokens = list(range(prompt_len))
     table = list(range(100, 100 + 2 * (prompt_len // 8 + 1)))
     computed = min(local_hit_blocks * 8, ((prompt_len - 1) // 8) * 8)  # vLLM always computes the last token
@@ -319,14 +338,14 @@ def test_mqa_one_kv_head(backend: str) -> None:
     pool = InProcessPool(spec)
     gen = torch.Generator().manual_seed(9)
     src = {f"model.layers.{i}.attn": torch.randn(8, 1, PAGE, 8, generator=gen) for i in range(2)}
-    producer = VllmPoolConnectorLogic(spec, pool, PAGE)
+    producer = new_logic(spec, pool, PAGE)
     producer.register_kv_caches(src, backend)
     plan = producer.plan_save("a", list(range(17)), [3, 1, 6, 0, 2], 0, 17)
     assert plan is not None
     producer.wait_for_save(producer.build_connector_meta([plan]))
     assert producer.drain_saves()
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    consumer = VllmPoolConnectorLogic(spec, pool, PAGE)
+    consumer = new_logic(spec, pool, PAGE)
     consumer.register_kv_caches(dst, backend)
     assert consumer.get_num_new_matched_tokens("b", list(range(17)), 0) == (16, False)
     consumer.update_state_after_alloc("b", [4, 5, 7, 2, 0], 16)

