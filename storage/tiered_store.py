@@ -42,6 +42,7 @@ from kvpool.core.config import StoreConfig, TierConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, LeaseExpired, StorageFault
 from kvpool.core.events import EventKind
 from kvpool.core.invariants import checked_after, require
+from kvpool.storage.allocator import NewOwnerHook
 from kvpool.storage.block_record import BlockTable, DeviceDemotion, Fence
 from kvpool.storage.device_tier import DeviceTier
 from kvpool.storage.disk_tier import DiskBlock, DiskTier
@@ -228,6 +229,18 @@ class TieredStore:
 
     def tenant_bytes(self, tenant: str) -> int:
         return self.host.tenant_bytes(tenant)
+
+    def set_segment_owners(self, owners: dict[bytes, int], on_new_owner: NewOwnerHook | None) -> None:
+        """Per-tenant arenas count the host tier only (``HostStore.set_segment_owners``): a
+        promotion from disk or device is a host put in the block's namespace, so it lands in
+        that namespace's owner's segments; the lower tiers are not mapped by clients."""
+        self.host.set_segment_owners(owners, on_new_owner)
+
+    def segment_generations(self, offsets: list[int]) -> list[int]:
+        return self.host.segment_generations(offsets)
+
+    def segment_owner_at(self, offset: int) -> int:
+        return self.host.segment_owner_at(offset)
 
     # -- writes --------------------------------------------------------------------------
     @checked_after

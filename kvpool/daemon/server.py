@@ -26,6 +26,7 @@ from kvpool.daemon.arena_handoff import ArenaHandoff
 from kvpool.daemon.metrics import NodeCollector
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
+from kvpool.storage.arena_segments import SegmentedArena
 from kvpool.proto import pool_pb2
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.credentials import load_credentials, load_tls
@@ -69,6 +70,9 @@ class PoolServer:
         self.node = PoolNode(config, MonotonicClock())
         if self.credentials is not None and self.credentials.tenant_quotas():
             self.node.store.set_tenant_quotas(self.credentials.tenant_quotas())  # before any put
+        if self.credentials is not None and isinstance(self.node.arena, SegmentedArena):  # per-tenant arena
+            owners = self.credentials.arena_owners().namespace_owner
+            self.node.store.set_segment_owners(owners, self.node.arena.on_owned)
         self.handoff: ArenaHandoff | None = None
         if config.arena_by_fd:
             self.handoff = ArenaHandoff(

@@ -267,6 +267,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             lease_ttl_ms=cfg.lease_ttl_ms,
             max_batch_blocks=cfg.max_batch_blocks,
             block_bytes=info.spec.block_bytes,
+            arena_segment_bytes=getattr(self.node.arena, "segment_bytes", 0),
         )
 
     @typed_handler
@@ -285,12 +286,14 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self._release(request.release_lease_ids)
         grant = self.node.lease(info, keys)
         self._current.walked = len(grant.locations)
+        offsets = [loc.offset for loc in grant.locations]
         return pool_pb2.LeaseReply(
             lease_id=grant.lease_id,
-            offsets=[loc.offset for loc in grant.locations],
+            offsets=offsets,
             checksums=[loc.checksum for loc in grant.locations],
             block_bytes=info.spec.block_bytes,
             expires_in_ms=self.node.config.store.lease_ttl_ms,
+            segment_generations=self.node.store.segment_generations(offsets),
         )
 
     @typed_handler
@@ -305,10 +308,12 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         grant = self.node.store.put_start(info.digest, keys, info.spec.block_bytes)
+        offsets = [off for _, off in grant.slots]
         return pool_pb2.PutStartReply(
             put_id=grant.put_id,
             indices=[i for i, _ in grant.slots],
-            offsets=[off for _, off in grant.slots],
+            offsets=offsets,
+            segment_generations=self.node.store.segment_generations(offsets),
             already_present=grant.already_present,
             in_flight=grant.in_flight,
             block_bytes=info.spec.block_bytes,
