@@ -597,10 +597,10 @@ class HostStore:
 
     def segment_generations(self, offsets: list[int]) -> list[int]:
         """The generation of each offset's segment (``SlabAllocator.generations_of``), for the
-        wire; empty with one segment (nothing can change under a client then). The slots of a
+        wire; empty for a one-piece arena (no segments configured). The slots of a
         lease or a pending put keep their segment owned, so its generation cannot change while
         the caller uses them: read without the lock."""
-        return self._alloc.generations_of(offsets) if self._alloc.num_segments > 1 else []
+        return self._alloc.generations_of(offsets) if self.config.segment_bytes else []
 
     def segment_owner_at(self, offset: int) -> int:
         """The owner of the segment holding ``offset`` now (``NO_OWNER`` when free)."""

@@ -73,6 +73,14 @@ class PoolServer:
         if self.credentials is not None and isinstance(self.node.arena, SegmentedArena):  # per-tenant arena
             owners = self.credentials.arena_owners().namespace_owner
             self.node.store.set_segment_owners(owners, self.node.arena.on_owned)
+            groups = len(set(owners.values()))
+            if self.node.arena.num_segments < groups:
+                log.warning(
+                    "arena: %d segments for %d tenant groups: a group gets room only while another's "
+                    "segment is empty (raise --capacity-bytes or lower --arena-segment-bytes)",
+                    self.node.arena.num_segments,
+                    groups,
+                )
         self.handoff: ArenaHandoff | None = None
         if config.arena_by_fd:
             self.handoff = ArenaHandoff(
