@@ -13,13 +13,13 @@ Segments (per-tenant arenas, docs/security.md): the slabs are grouped into segme
 owner until its last slab is free again; only then does it go back to the pool of free
 segments, for any owner and any size class. ``alloc(block_bytes, owner)`` only ever hands
 out slots in segments of ``owner``, so **no slab of a segment is ever given to two owners
-at once** (``check_invariants``; hypothesis: ``tests/property/test_store_allocator.py``).
+at once** (``check_invariants``; hypothesis: ``tests/property/test_store_allocator_owners.py``).
 Each segment has a ``generation``, raised when it is handed to an owner other than the one
 it had last. Every time a free segment is handed to an owner, ``on_new_owner`` is told
 (segment, owner, generation) first: the arena backs a segment whose owner changed with
 fresh memory, so a client that mapped it for its previous owner keeps only the previous
-owner's old bytes, never the new owner's. With one owner (no credentials) and one segment this is the allocator it always
-was: the same slabs, in the same order.
+owner's old bytes, never the new owner's. With one owner (no credentials) and one segment
+this is the allocator it always was: the same slabs, in the same order.
 """
 
 from __future__ import annotations
@@ -278,9 +278,8 @@ class SlabAllocator:
     def can_alloc(self, block_bytes: int, owner: int = 0) -> bool:
         cls = self._classes.get((owner, slot_size_for(block_bytes)))
         own = self._owner_partial.get(owner)
-        return (
-            bool(self._free_segments) or (own is not None and bool(own.items)) or (cls is not None and bool(cls.partial_slabs))
-        )
+        has_partial = cls is not None and bool(cls.partial_slabs)
+        return bool(self._free_segments) or (own is not None and bool(own.items)) or has_partial
 
     def check_invariants(self) -> None:
         """The allocator's accounting (debug mode; its owner calls it under its lock): each
@@ -292,8 +291,8 @@ class SlabAllocator:
         self._check_segments(name)
         used_bytes = 0
         class_of_slab: dict[int, tuple[int, int]] = {}
-        for key, cls in self._classes.items():
-            for slab in cls.partial_slabs:
+        for key, size_class in self._classes.items():
+            for slab in size_class.partial_slabs:
                 class_of_slab[slab] = key
         for slab in range(self.num_slabs):
             slot_bytes = int(self._slab_class[slab])

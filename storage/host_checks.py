@@ -20,8 +20,9 @@ def _bump(counts: dict[Any, int], key: Any, delta: int) -> None:
 
 def check_host_store(store: HostStore) -> None:
     """Every slot is owned by exactly one committed, doomed (leased, removed) or pending
-    block, of its size class, in a segment of its namespace's owner; lease counts are the leases holding each entry; bytes per
-    namespace and tenant add up and stay within their quotas; the tables are bounded."""
+    block, of its size class, in a segment of its namespace's owner; lease counts are the
+    leases holding each entry; bytes per namespace and tenant add up and stay within their
+    quotas; the tables are bounded."""
     name = "HostStore"
     store._alloc.check_invariants()
     owner: dict[int, bytes] = {}
@@ -32,11 +33,12 @@ def check_host_store(store: HostStore) -> None:
         nonlocal slot_bytes
         require(name, "no two blocks share a slot", offset not in owner, lambda: f"offset {offset}")
         seg_owner = store._alloc.segment_owner(store._alloc.segment_of(offset))
+        ns_owner = store._owner_of.get(namespace, 0)
         require(
             name,
             "a block's slot lies in a segment of its namespace's owner",
-            seg_owner == store._owner_of.get(namespace, 0),
-            lambda: f"{key.hex()} at {offset}: segment owner {seg_owner}, namespace owner {store._owner_of.get(namespace, 0)}",
+            seg_owner == ns_owner,
+            lambda: f"{key.hex()} at {offset}: segment owner {seg_owner}, namespace owner {ns_owner}",
         )
         require(
             name,

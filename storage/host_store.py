@@ -169,9 +169,11 @@ class HostStore:
         on_event: EventSink | None = None,
         on_evict: DemoteHook | None = None,
         id_source: Callable[[], int] | None = None,
+        segment_bytes: int = 0,
     ) -> None:
         """``id_source``: lease and put ids (default 1, 2, 3, ...; the daemon passes random
-        63-bit ids, so ids double as capabilities)."""
+        63-bit ids, so ids double as capabilities). ``segment_bytes``: the arena's segments
+        (a per-tenant arena, ``set_segment_owners``); 0 = one piece."""
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < config.capacity_bytes:
             raise InvalidArgument("the store's buffer must be a 1-D uint8 array of at least capacity_bytes")
         self._buffer = buffer
@@ -180,7 +182,8 @@ class HostStore:
         self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
         self._on_event = on_event
         self._on_evict = on_evict
-        self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes, config.segment_bytes)
+        self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes, segment_bytes)
+        self._segmented = segment_bytes > 0
         # segment owners: namespace -> owner (per-tenant arenas); empty = one owner, 0, for all
         self._owner_of: dict[bytes, int] = {}
         self._index: dict[bytes, Entry] = {}
@@ -600,7 +603,7 @@ class HostStore:
         wire; empty for a one-piece arena (no segments configured). The slots of a
         lease or a pending put keep their segment owned, so its generation cannot change while
         the caller uses them: read without the lock."""
-        return self._alloc.generations_of(offsets) if self.config.segment_bytes else []
+        return self._alloc.generations_of(offsets) if self._segmented else []
 
     def segment_owner_at(self, offset: int) -> int:
         """The owner of the segment holding ``offset`` now (``NO_OWNER`` when free)."""

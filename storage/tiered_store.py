@@ -89,7 +89,9 @@ class TieredStore:
         device_allow_cpu: bool = False,
         disk_direct_io: bool | None = None,
         id_source: Callable[[], int] | None = None,
+        segment_bytes: int = 0,
     ) -> None:
+        """``segment_bytes``: a per-tenant arena's segments (``HostStore``); 0 = one piece."""
         self.config = config
         self.tier_config = tiers
         self._buffer = buffer
@@ -139,7 +141,11 @@ class TieredStore:
             except KVPoolError as exc:
                 self.device_fault = str(exc)
                 log.error("device tier disabled, serving from the other tiers: %s", exc)
-            if self.device is not None and not self.device.pin_host(buffer) and tiers.device.startswith("cuda"):
+            # a per-tenant arena maps fresh memory over a segment that changes owner, which a
+            # cudaHostRegister of the old pages would not follow: it stays pageable (correct, slower)
+            if segment_bytes:
+                log.warning("per-tenant arena: the host arena is not page-locked; copies to HBM will be slower")
+            elif self.device is not None and not self.device.pin_host(buffer) and tiers.device.startswith("cuda"):
                 log.warning("could not page-lock the host arena (cudaHostRegister); copies to HBM will be slower")
         self.host = HostStore(
             buffer,
@@ -149,6 +155,7 @@ class TieredStore:
             on_event=self._on_host_event,
             on_evict=self._on_host_evict,
             id_source=id_source,
+            segment_bytes=segment_bytes,
         )
 
     # -- reads ---------------------------------------------------------------------------

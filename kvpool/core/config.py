@@ -35,10 +35,6 @@ class StoreConfig:
     # start even when capacity_bytes exceeds MemAvailable or the arena filesystem's free space
     # (a warning; the arena is then not reserved and clients may die with SIGBUS): storage/arena.py
     allow_overcommit: bool = False
-    # slabs are grouped into segments of this many bytes, each owned by one tenant group at a
-    # time (per-tenant arenas, docs/security.md); 0 = the whole arena is one segment. The
-    # daemon sets it from --arena-segment-bytes when the arena is per tenant
-    segment_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.slab_bytes <= 0:
@@ -51,11 +47,6 @@ class StoreConfig:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise InvalidArgument(
                 f"watermarks must satisfy 0 < low ({self.low_watermark}) <= high ({self.high_watermark}) <= 1"
-            )
-        if self.segment_bytes < 0 or self.segment_bytes % self.slab_bytes:
-            raise InvalidArgument(
-                f"segment_bytes {self.segment_bytes} is not a multiple of slab_bytes {self.slab_bytes}",
-                hint="use an --arena-segment-bytes that is a multiple of --slab-bytes",
             )
         if self.namespace_quota_bytes < 0:
             raise InvalidArgument("namespace_quota_bytes must be >= 0 (0 = no quota)")
@@ -315,8 +306,10 @@ class DaemonConfig:
     @property
     def arena_per_tenant(self) -> bool:
         """Whether the arena is made of per-tenant segments: with credentials (tenants to tell
-        apart) and the memfd hand-off (a file would give everyone everything)."""
-        return self.arena_by_fd and bool(self.credentials_file)
+        apart) and the memfd hand-off (a file would give everyone everything); not with the
+        NIXL transport, which registers the arena's pages once (a segment that changes owner
+        gets fresh pages) and serves one tenant only anyway (docs/cluster.md)."""
+        return self.arena_by_fd and bool(self.credentials_file) and self.cluster.transport != "nixl"
 
     @property
     def segment_bytes(self) -> int:

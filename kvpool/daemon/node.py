@@ -12,7 +12,6 @@ client gets UnknownNamespace on its next call and registers again (PoolClient do
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import threading
@@ -92,8 +91,6 @@ def create_segmented_arena(config: DaemonConfig) -> SegmentedArena:
 
 class PoolNode:
     def __init__(self, config: DaemonConfig, clock: Clock) -> None:
-        if config.segment_bytes:  # the store's allocator groups its slabs as the arena's segments
-            config = dataclasses.replace(config, store=dataclasses.replace(config.store, segment_bytes=config.segment_bytes))
         self.config = config
         self._clock = clock
         self.node_id = config.node_id or config.listen

@@ -26,12 +26,12 @@ from kvpool.daemon.arena_handoff import ArenaHandoff
 from kvpool.daemon.metrics import NodeCollector
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
-from kvpool.storage.arena_segments import SegmentedArena
 from kvpool.proto import pool_pb2
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.credentials import load_credentials, load_tls
 from kvpool.rpc.metrics import ServiceMetrics
 from kvpool.rpc.serving import add_typed_service
+from kvpool.storage.arena_segments import SegmentedArena
 
 log = logging.getLogger("kvpool.server")
 

@@ -29,9 +29,7 @@ SEGMENTS = 4
 A = b"a" * 16
 B = b"b" * 16
 OWNERS = {A: 1, B: 2}
-CONFIG = StoreConfig(
-    capacity_bytes=SEGMENTS * SEGMENT, slab_bytes=SLAB, segment_bytes=SEGMENT, high_watermark=1.0, low_watermark=1.0
-)
+CONFIG = StoreConfig(capacity_bytes=SEGMENTS * SEGMENT, slab_bytes=SLAB, high_watermark=1.0, low_watermark=1.0)
 
 
 def key(ns: bytes, i: int) -> bytes:
@@ -68,7 +66,7 @@ class Segmented:
 @pytest.fixture
 def seg() -> Segmented:
     buffer = np.zeros(CONFIG.capacity_bytes, dtype=np.uint8)
-    return Segmented(HostStore(buffer, CONFIG, FakeClock()), buffer)
+    return Segmented(HostStore(buffer, CONFIG, FakeClock(), segment_bytes=SEGMENT), buffer)
 
 
 def test_blocks_of_two_owners_never_share_a_segment(seg: Segmented) -> None:
@@ -113,7 +111,7 @@ def test_segments_that_cannot_be_emptied_are_left_alone(seg: Segmented) -> None:
 def test_a_promotion_from_disk_lands_in_the_owner_segments(tmp_path: pathlib.Path) -> None:
     buffer = np.zeros(CONFIG.capacity_bytes, dtype=np.uint8)
     tiers = TierConfig(disk_dir=str(tmp_path), disk_capacity_bytes=1 << 21, disk_slab_file_bytes=1 << 20)
-    store = TieredStore(buffer, CONFIG, tiers, FakeClock())
+    store = TieredStore(buffer, CONFIG, tiers, FakeClock(), segment_bytes=SEGMENT)
     try:
         seg = Segmented(store, buffer)
         seg.put(A, range(8))  # one segment
