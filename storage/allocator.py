@@ -53,14 +53,6 @@ def check_block_fits(block_bytes: int, slab_bytes: int) -> None:
         )
 
 
-@dataclass
-class _SizeClass:
-    slot_bytes: int
-    slots_per_slab: int
-    partial_slabs: list[int] = field(default_factory=list)  # slabs with at least one free slot
-    partial_pos: dict[int, int] = field(default_factory=dict)  # slab -> index in partial_slabs
-
-
 class _IndexedList:
     """A list with O(1) add, remove and membership (the partial lists)."""
 
@@ -82,6 +74,13 @@ class _IndexedList:
         if last != item:
             self.items[pos] = last
             self.pos[last] = pos
+
+
+@dataclass
+class _SizeClass:
+    slot_bytes: int
+    slots_per_slab: int
+    partial: _IndexedList = field(default_factory=lambda: _IndexedList())  # slabs with at least one free slot
 
 
 #: called with (segment, owner, generation) before a free segment is handed to ``owner``
@@ -142,18 +141,18 @@ class SlabAllocator:
         if cls is None:
             cls = _SizeClass(slot_bytes, self.slab_bytes // slot_bytes)
             self._classes[(owner, slot_bytes)] = cls
-        if not cls.partial_slabs:
+        if not cls.partial.items:
             slab = self._take_slab(owner)
             if slab is None:
                 return None
             self._slab_class[slab] = slot_bytes
             self._slab_free_slots[slab] = list(range(cls.slots_per_slab - 1, -1, -1))
-            self._add_partial(cls, slab)
-        slab = cls.partial_slabs[-1]
+            cls.partial.add(slab)
+        slab = cls.partial.items[-1]
         slot = self._slab_free_slots[slab].pop()
         self._slab_used[slab] += 1
         if not self._slab_free_slots[slab]:
-            self._remove_partial(cls, slab)
+            cls.partial.remove(slab)
         self.used_bytes += slot_bytes
         return slab * self.slab_bytes + slot * slot_bytes
 
@@ -168,12 +167,12 @@ class SlabAllocator:
         cls = self._classes[(owner, slot_bytes)]
         free_slots = self._slab_free_slots[slab]
         if not free_slots:
-            self._add_partial(cls, slab)
+            cls.partial.add(slab)
         free_slots.append(within // slot_bytes)
         self._slab_used[slab] -= 1
         self.used_bytes -= slot_bytes
         if self._slab_used[slab] == 0:  # whole slab free: back to its segment
-            self._remove_partial(cls, slab)
+            cls.partial.remove(slab)
             self._slab_class[slab] = 0
             self._slab_free_slots[slab] = []
             self._give_back_slab(slab, owner)
@@ -234,7 +233,7 @@ class SlabAllocator:
         slot_bytes = slot_size_for(block_bytes)
         per_slab = self.slab_bytes // slot_bytes
         cls = self._classes.get((owner, slot_bytes))
-        partial = sum(len(self._slab_free_slots[s]) for s in cls.partial_slabs) if cls is not None else 0
+        partial = sum(len(self._slab_free_slots[s]) for s in cls.partial.items) if cls is not None else 0
         return partial + (self._owner_free_slabs.get(owner, 0) + self._free_segment_slabs) * per_slab
 
     def slots_per_slab(self, block_bytes: int) -> int:
@@ -278,7 +277,7 @@ class SlabAllocator:
     def can_alloc(self, block_bytes: int, owner: int = 0) -> bool:
         cls = self._classes.get((owner, slot_size_for(block_bytes)))
         own = self._owner_partial.get(owner)
-        has_partial = cls is not None and bool(cls.partial_slabs)
+        has_partial = cls is not None and bool(cls.partial.items)
         return bool(self._free_segments) or (own is not None and bool(own.items)) or has_partial
 
     def check_invariants(self) -> None:
@@ -292,7 +291,7 @@ class SlabAllocator:
         used_bytes = 0
         class_of_slab: dict[int, tuple[int, int]] = {}
         for key, size_class in self._classes.items():
-            for slab in size_class.partial_slabs:
+            for slab in size_class.partial.items:
                 class_of_slab[slab] = key
         for slab in range(self.num_slabs):
             slot_bytes = int(self._slab_class[slab])
@@ -318,7 +317,7 @@ class SlabAllocator:
                 used > 0 and used + len(free_slots) == cls.slots_per_slab and len(set(free_slots)) == len(free_slots),
                 f"slab {slab}: {used} used + {len(free_slots)} free, {cls.slots_per_slab} slots",
             )
-            require(name, "partial slabs are those with a free slot", (slab in cls.partial_pos) == bool(free_slots))
+            require(name, "partial slabs are those with a free slot", (slab in cls.partial.pos) == bool(free_slots))
             require(
                 name,
                 "every slab of a segment belongs to that segment's owner",
@@ -327,9 +326,9 @@ class SlabAllocator:
             )
             used_bytes += used * slot_bytes
         for cls in self._classes.values():
-            require(name, "the partial index matches its list", len(cls.partial_pos) == len(cls.partial_slabs))
-            for pos, slab in enumerate(cls.partial_slabs):
-                require(name, "the partial index matches its list", cls.partial_pos.get(slab) == pos, str(slab))
+            require(name, "the partial index matches its list", len(cls.partial.pos) == len(cls.partial.items))
+            for pos, slab in enumerate(cls.partial.items):
+                require(name, "the partial index matches its list", cls.partial.pos.get(slab) == pos, str(slab))
         require(
             name, "used bytes are the used slots", used_bytes == self.used_bytes, f"{used_bytes} != {self.used_bytes}"
         )
@@ -378,16 +377,3 @@ class SlabAllocator:
         for owner, segs in self._owner_partial.items():
             for seg in segs.items:
                 require(name, "a partial segment is its owner's", int(self._seg_owner[seg]) == owner, str(seg))
-
-    def _add_partial(self, cls: _SizeClass, slab: int) -> None:
-        cls.partial_pos[slab] = len(cls.partial_slabs)
-        cls.partial_slabs.append(slab)
-
-    def _remove_partial(self, cls: _SizeClass, slab: int) -> None:
-        pos = cls.partial_pos.pop(slab, None)
-        if pos is None:
-            return
-        last = cls.partial_slabs.pop()
-        if last != slab:
-            cls.partial_slabs[pos] = last
-            cls.partial_pos[last] = pos
