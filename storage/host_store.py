@@ -50,9 +50,10 @@ from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
 from kvpool.core.events import EventKind
 from kvpool.core.invariants import checked_after
-from kvpool.storage.allocator import NO_OWNER, NewOwnerHook, SlabAllocator, slot_size_for
+from kvpool.storage.allocator import NewOwnerHook, SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 from kvpool.storage.host_checks import check_host_store
+from kvpool.storage.host_room import check_can_fit, evict_segment
 
 
 class EventSink(Protocol):
@@ -697,7 +698,7 @@ class HostStore:
         capacity = self._alloc.capacity_bytes
         mine = self._owned_by(owner)
         if self._alloc.free_slots_for(block_bytes, owner) < count:
-            self._check_can_fit(count, block_bytes, owner)
+            check_can_fit(self, count, block_bytes, owner)
         if self._alloc.used_bytes + need > self.config.high_watermark * capacity:
             target = max(0.0, self.config.low_watermark * capacity - need)
             while self._alloc.used_bytes > target and self._evict_one(mine):
@@ -709,7 +710,7 @@ class HostStore:
                 if offset is not None:
                     offsets.append(offset)
                     continue
-                if self._evict_one(mine) or (mine is not None and self._evict_segment(owner)):
+                if self._evict_one(mine) or (mine is not None and evict_segment(self, owner)):
                     continue
                 raise CapacityExhausted(
                     f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
@@ -732,80 +733,6 @@ class HostStore:
             return owner_of.get(ns, 0) == owner
 
         return member
-
-    def _evict_segment(self, owner: int) -> bool:
-        """Empty one segment of another owner whose blocks can all be evicted (the one with
-        the fewest), so that it goes back to the free segments; False if there is none. A
-        scan of the index, only when ``owner`` has no room and nothing of its own to evict."""
-        blocks: dict[int, list[bytes]] = {}
-        stuck: set[int] = set()
-        for key, entry in self._index.items():
-            seg = self._alloc.segment_of(entry.offset)
-            if self._evictable(key):
-                blocks.setdefault(seg, []).append(key)
-            else:
-                stuck.add(seg)
-        candidates = [
-            seg
-            for seg, keys in blocks.items()
-            if seg not in stuck
-            and self._alloc.segment_owner(seg) not in (owner, NO_OWNER)
-            and self._segment_only_holds(seg, len(keys))
-        ]
-        if not candidates:
-            return False
-        victim = min(candidates, key=lambda seg: len(blocks[seg]))
-        for key in blocks[victim]:
-            self._policy.on_remove(key)
-            self._evict_entry(self._index[key])
-        return True
-
-    def _segment_only_holds(self, seg: int, blocks: int) -> bool:
-        """Whether the segment's used slots are exactly ``blocks`` indexed blocks (no pending
-        put or leased, removed block holds a slot in it)."""
-        first = seg * self._alloc.slabs_per_segment
-        slabs = range(first, first + self._alloc.segment_slabs(seg))
-        return sum(self._alloc.slab_used_slots(slab) for slab in slabs) == blocks
-
-    def _check_can_fit(self, count: int, block_bytes: int, owner: int = 0) -> None:
-        """Raise CapacityExhausted, before anything is evicted, if no choice of evictions can
-        yield ``count`` slots of this size for ``owner``: a put that must fail costs no stored
-        block.
-
-        Counted per slab, because slabs are per size class: evicting a block frees a slot of
-        its own class, and frees room for another class only when its whole slab empties; a
-        slab of another owner helps only when its whole segment empties.
-        A scan of the index, but only on this path (eviction is needed to fit).
-        """
-        slot_bytes = slot_size_for(block_bytes)
-        evictable_per_slab: dict[int, int] = {}
-        for key, entry in self._index.items():
-            if self._evictable(key):
-                slab = self._alloc.slab_of(entry.offset)
-                evictable_per_slab[slab] = evictable_per_slab.get(slab, 0) + 1
-        obtainable = self._alloc.free_slots_for(block_bytes, owner)
-        per_slab = self._alloc.slots_per_slab(block_bytes)
-        others: dict[int, bool] = {}  # another owner's segment -> whether all of it can be evicted
-        for slab, evictable in evictable_per_slab.items():
-            seg = self._alloc.segment_of(slab * self._alloc.slab_bytes)
-            whole = evictable == self._alloc.slab_used_slots(slab)
-            if self._alloc.segment_owner(seg) != owner:
-                others[seg] = others.get(seg, True) and whole
-            elif self._alloc.slot_bytes_at(slab * self._alloc.slab_bytes) == slot_bytes:
-                obtainable += evictable  # same class: each eviction frees a usable slot
-            elif whole:
-                obtainable += per_slab  # another class: only a slab emptied whole helps
-        for seg, whole in others.items():  # emptied whole, another owner's segment is free for anyone
-            evictable_slabs = sum(1 for slab in evictable_per_slab if slab // self._alloc.slabs_per_segment == seg)
-            if whole and evictable_slabs == self._alloc.segment_slabs_used(seg):
-                obtainable += self._alloc.segment_slabs(seg) * per_slab
-        if obtainable < count:
-            raise CapacityExhausted(
-                f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
-                f"{self._alloc.capacity_bytes} bytes are used and evictions could free only {obtainable} "
-                "such slots (the rest is leased, pinned or in flight); nothing was evicted",
-                hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
-            )
 
     def _count(self, namespace: bytes, delta: int) -> None:
         _bump(self._ns_bytes, namespace, delta)  # bounded: only namespaces holding bytes
