@@ -109,3 +109,30 @@ def test_one_owner_and_one_segment_hand_out_slabs_as_before() -> None:
     alloc.free(SLAB_BYTES)
     assert alloc.alloc(SLAB_BYTES) == SLAB_BYTES
     assert alloc.generations_of([0, SLAB_BYTES]) == [0, 0]
+
+
+def test_a_segment_whose_fresh_memory_cannot_be_had_is_not_taken() -> None:
+    """The arena raises from ``on_new_owner`` (no memory for a fresh memfd): the allocator
+    has changed nothing, and the segment is taken once the arena can back it."""
+    refuse = [True]
+
+    def hook(seg: int, owner: int, generation: int) -> None:
+        if generation and refuse[0]:
+            raise MemoryError("no room for a fresh segment")
+
+    alloc = SlabAllocator(2 * SEGMENT_BYTES, SLAB_BYTES, SEGMENT_BYTES, hook)
+    taken = [alloc.alloc(SLAB_BYTES, owner=1) for _ in range(2 * SLABS_PER_SEGMENT)]
+    for off in taken:
+        assert off is not None
+        alloc.free(off)
+    try:
+        alloc.alloc(SLAB_BYTES, owner=2)
+    except MemoryError:
+        pass
+    else:
+        raise AssertionError("the hook's refusal was swallowed")
+    alloc.check_invariants()
+    assert alloc.free_segments() == 2 and alloc.used_bytes == 0 and alloc.segment_generation(1) == 0
+    refuse[0] = False
+    off = alloc.alloc(SLAB_BYTES, owner=2)
+    assert off is not None and alloc.segment_generation(off // SEGMENT_BYTES) == 1
