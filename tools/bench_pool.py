@@ -113,7 +113,8 @@ def write_bench_credentials(sizes: Sequence[int]) -> str:
     from kvpool.core.spec import Namespace
 
     namespaces = [Namespace(spec_for(size), b"bench").digest().hex() for size in sizes]
-    tenant = {"name": "bench", "token_sha256": hashlib.sha256(BENCH_TOKEN.encode()).hexdigest(), "namespaces": namespaces}
+    digest = hashlib.sha256(BENCH_TOKEN.encode()).hexdigest()
+    tenant = {"name": "bench", "token_sha256": digest, "namespaces": namespaces}
     fd, path = tempfile.mkstemp(prefix="kvpool-bench-", suffix=".json")
     with os.fdopen(fd, "w") as fh:
         json.dump({"tenants": [tenant]}, fh)
