@@ -388,6 +388,10 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_path"] = self.node.arena.path
         summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
         summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
+        # per-tenant arena (docs/security.md): its segments' size (0 = one piece), and how many
+        # times a segment got fresh memory for a new owner
+        summary["arena_segment_bytes"] = getattr(self.node.arena, "segment_bytes", 0)
+        summary["arena_segments_renewed"] = getattr(self.node.arena, "renewed", 0)
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
         host_policy = self.node.tier_policy("host")  # the host store does not know its policy's name

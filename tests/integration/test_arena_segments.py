@@ -175,6 +175,7 @@ def test_capacity_freed_by_one_tenant_is_usable_by_another(segmented: Any) -> No
         np.testing.assert_array_equal(a.get(a_hashes[:4]), a_blocks[:4])  # mapped again at its new generation
         stats = a.stats()
         assert stats["blocks"] <= BLOCKS_PER_ARENA
+        assert stats["arena_segment_bytes"] == SEGMENT_BYTES and stats["arena_segments_renewed"] >= 9
 
 
 def test_a_tenant_cannot_ask_for_a_writable_segment_of_another(segmented: Any) -> None:
