@@ -20,17 +20,26 @@ def _bump(counts: dict[Any, int], key: Any, delta: int) -> None:
 
 def check_host_store(store: HostStore) -> None:
     """Every slot is owned by exactly one committed, doomed (leased, removed) or pending
-    block, of its size class; lease counts are the leases holding each entry; bytes per
-    namespace and tenant add up and stay within their quotas; the tables are bounded."""
+    block, of its size class, in a segment of its namespace's owner; lease counts are the
+    leases holding each entry; bytes per namespace and tenant add up and stay within their
+    quotas; the tables are bounded."""
     name = "HostStore"
     store._alloc.check_invariants()
     owner: dict[int, bytes] = {}
     slot_bytes = 0
     ns_bytes: dict[bytes, int] = {}
 
-    def own(offset: int, size: int, key: bytes) -> None:
+    def own(offset: int, size: int, key: bytes, namespace: bytes) -> None:
         nonlocal slot_bytes
         require(name, "no two blocks share a slot", offset not in owner, lambda: f"offset {offset}")
+        seg_owner = store._alloc.segment_owner(store._alloc.segment_of(offset))
+        ns_owner = store._owner_of.get(namespace, 0)
+        require(
+            name,
+            "a block's slot lies in a segment of its namespace's owner",
+            seg_owner == ns_owner,
+            lambda: f"{key.hex()} at {offset}: segment owner {seg_owner}, namespace owner {ns_owner}",
+        )
         require(
             name,
             "a block's slot is of its size class",
@@ -55,20 +64,20 @@ def check_host_store(store: HostStore) -> None:
             entry.leases == refs.get(id(entry), 0),
             key.hex,
         )
-        own(entry.offset, entry.size, key)
+        own(entry.offset, entry.size, key, entry.namespace)
         _bump(ns_bytes, entry.namespace, entry.size)
     for ident, entry in leased.items():
         if store._index.get(entry.key) is entry:
             continue
         require(name, "a leased block that left the index is doomed", entry.doomed, entry.key.hex)
         require(name, "lease counts match the leases", entry.leases == refs[ident], entry.key.hex)
-        own(entry.offset, entry.size, entry.key)
+        own(entry.offset, entry.size, entry.key, entry.namespace)
     pending_keys: set[bytes] = set()
     for put in [*store._pending.values(), *store._verifying.values()]:  # being verified: still theirs
         for _, key, offset in put.slots:
             require(name, "a key is written by one put at a time", key not in pending_keys, key.hex)
             pending_keys.add(key)
-            own(offset, put.block_bytes, key)
+            own(offset, put.block_bytes, key, put.namespace)
         _bump(ns_bytes, put.namespace, len(put.slots) * put.block_bytes)
     require(name, "pending keys are the pending puts' keys", pending_keys == store._pending_keys)
     require(name, "allocated bytes are the blocks' slots", slot_bytes == store._alloc.used_bytes)

@@ -22,7 +22,13 @@ Guarantees (checked by tests/property/test_store_*):
   first, never another's, and fails whole (nothing evicted) if they cannot make room;
 - with tenant quotas (``set_tenant_quotas``: a tenant's ``quota_bytes`` in the credentials
   file), the namespaces of such a tenant hold at most that many bytes together, the same
-  way: a put evicts only that tenant's blocks (``tests/unit/test_store_quota.py``).
+  way: a put evicts only that tenant's blocks (``tests/unit/test_store_quota.py``);
+- with segment owners (``set_segment_owners``: per-tenant arenas, docs/security.md), a
+  block's slot lies in a segment of its namespace's owner, whichever path stored it (a put,
+  a promotion from disk or device): room is made by evicting that owner's own blocks first
+  (the watermark eviction too), then, if it still has no room, by emptying one whole
+  segment of another owner whose blocks can all be evicted (the one with the fewest), never
+  by evicting blocks whose slots it could not use (``tests/unit/test_store_segments.py``).
 
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena.
@@ -44,9 +50,10 @@ from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
 from kvpool.core.events import EventKind
 from kvpool.core.invariants import checked_after
-from kvpool.storage.allocator import SlabAllocator, slot_size_for
+from kvpool.storage.allocator import NewOwnerHook, SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 from kvpool.storage.host_checks import check_host_store
+from kvpool.storage.host_room import check_can_fit, evict_segment
 
 
 class EventSink(Protocol):
@@ -166,9 +173,11 @@ class HostStore:
         on_event: EventSink | None = None,
         on_evict: DemoteHook | None = None,
         id_source: Callable[[], int] | None = None,
+        segment_bytes: int = 0,
     ) -> None:
         """``id_source``: lease and put ids (default 1, 2, 3, ...; the daemon passes random
-        63-bit ids, so ids double as capabilities)."""
+        63-bit ids, so ids double as capabilities). ``segment_bytes``: the arena's segments
+        (a per-tenant arena, ``set_segment_owners``); 0 = one piece."""
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < config.capacity_bytes:
             raise InvalidArgument("the store's buffer must be a 1-D uint8 array of at least capacity_bytes")
         self._buffer = buffer
@@ -177,7 +186,10 @@ class HostStore:
         self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
         self._on_event = on_event
         self._on_evict = on_evict
-        self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes)
+        self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes, segment_bytes)
+        self._segmented = segment_bytes > 0
+        # segment owners: namespace -> owner (per-tenant arenas); empty = one owner, 0, for all
+        self._owner_of: dict[bytes, int] = {}
         self._index: dict[bytes, Entry] = {}
         self._pending: dict[int, _PendingPut] = {}
         self._pending_keys: set[bytes] = set()
@@ -359,7 +371,7 @@ class HostStore:
                 need = len(wanted) * block_bytes
                 if self.config.namespace_quota_bytes or namespace in self._tenant_of:
                     self._make_quota_room(namespace, need)
-                offsets = self._allocate(len(wanted), block_bytes, now)
+                offsets = self._allocate(len(wanted), block_bytes, now, self._owner_of.get(namespace, 0))
             finally:
                 self._protected = set()
             self._count(namespace, need)
@@ -589,6 +601,32 @@ class HostStore:
         with self._lock:
             return self._tenant_bytes.get(tenant, 0)
 
+    @checked_after
+    def set_segment_owners(self, owners: dict[bytes, int], on_new_owner: NewOwnerHook | None) -> None:
+        """Per-tenant arenas: ``owners`` maps each namespace to the owner whose segments hold
+        its blocks (namespaces not in it: owner 0); ``on_new_owner`` is told before a segment
+        that had another owner is handed to a new one (the arena backs it with fresh memory).
+        Set once at start, before any put."""
+        with self._lock:
+            if self._index or self._pending:
+                raise InvalidArgument("segment owners are set before the store holds anything")
+            if any(owner < 0 for owner in owners.values()):
+                raise InvalidArgument("segment owners are non-negative")
+            self._owner_of = dict(owners)
+            self._alloc._on_new_owner = on_new_owner
+
+    def segment_generations(self, offsets: list[int]) -> list[int]:
+        """The generation of each offset's segment (``SlabAllocator.generations_of``), for the
+        wire; empty for a one-piece arena (no segments configured). The slots of a
+        lease or a pending put keep their segment owned, so its generation cannot change while
+        the caller uses them: read without the lock."""
+        return self._alloc.generations_of(offsets) if self._segmented else []
+
+    def segment_owner_at(self, offset: int) -> int:
+        """The owner of the segment holding ``offset`` now (``NO_OWNER`` when free)."""
+        with self._lock:
+            return self._alloc.segment_owner(self._alloc.segment_of(offset))
+
     def namespace_bytes(self, namespace: bytes) -> int:
         """Bytes ``namespace`` holds here (committed and being written): what its quota counts."""
         with self._lock:
@@ -658,67 +696,59 @@ class HostStore:
         key = self._policy.pop_victim(evictable)
         if key is None:
             return False
-        entry = self._index[key]
+        self._evict_entry(self._index[key])
+        return True
+
+    def _evict_entry(self, entry: Entry) -> None:
+        """Evict one block the policy has let go of: demote it (``on_evict``), free its slot."""
         if self._on_evict is not None:
             self._on_evict(entry, self._buffer[entry.offset : entry.offset + entry.size])
         self._unindex(entry)
         self.stats.evictions += 1
-        self._emit(EventKind.REMOVED, [key], entry.namespace)
-        return True
+        self._emit(EventKind.REMOVED, [entry.key], entry.namespace)
 
-    def _allocate(self, count: int, block_bytes: int, now: float) -> list[int]:
+    def _allocate(self, count: int, block_bytes: int, now: float, owner: int = 0) -> list[int]:
+        """``count`` slots of ``block_bytes`` in segments of ``owner``, evicting to make room
+        (module docstring): its own blocks first, then one whole segment of another owner."""
         need = count * slot_size_for(block_bytes)
         capacity = self._alloc.capacity_bytes
-        if self._alloc.free_slots_for(block_bytes) < count:
-            self._check_can_fit(count, block_bytes)
+        mine = self._owned_by(owner)
+        if self._alloc.free_slots_for(block_bytes, owner) < count:
+            check_can_fit(self, count, block_bytes, owner)
         if self._alloc.used_bytes + need > self.config.high_watermark * capacity:
             target = max(0.0, self.config.low_watermark * capacity - need)
-            while self._alloc.used_bytes > target and self._evict_one():
+            while self._alloc.used_bytes > target and self._evict_one(mine):
                 pass
         offsets: list[int] = []
-        while len(offsets) < count:
-            offset = self._alloc.alloc(block_bytes)
-            if offset is not None:
-                offsets.append(offset)
-                continue
-            if not self._evict_one():
-                for off in offsets:
-                    self._alloc.free(off)
+        try:
+            while len(offsets) < count:
+                offset = self._alloc.alloc(block_bytes, owner)
+                if offset is not None:
+                    offsets.append(offset)
+                    continue
+                if self._evict_one(mine) or (mine is not None and evict_segment(self, owner)):
+                    continue
                 raise CapacityExhausted(
                     f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
                     f"{capacity} bytes are used and nothing more can be evicted (leased, pinned or in flight)",
                     hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
                 )
+        except BaseException:  # full, or fresh memory for a segment could not be had
+            for off in offsets:
+                self._alloc.free(off)
+            raise
         return offsets
 
-    def _check_can_fit(self, count: int, block_bytes: int) -> None:
-        """Raise CapacityExhausted, before anything is evicted, if no choice of evictions can
-        yield ``count`` slots of this size: a put that must fail costs no stored block.
+    def _owned_by(self, owner: int) -> Callable[[bytes], bool] | None:
+        """Whether a namespace's blocks lie in ``owner``'s segments (None: one owner, all do)."""
+        if not self._owner_of:
+            return None
+        owner_of = self._owner_of
 
-        Counted per slab, because slabs are per size class: evicting a block frees a slot of
-        its own class, and frees room for another class only when its whole slab empties.
-        A scan of the index, but only on this path (eviction is needed to fit).
-        """
-        slot_bytes = slot_size_for(block_bytes)
-        evictable_per_slab: dict[int, int] = {}
-        for key, entry in self._index.items():
-            if self._evictable(key):
-                slab = self._alloc.slab_of(entry.offset)
-                evictable_per_slab[slab] = evictable_per_slab.get(slab, 0) + 1
-        obtainable = self._alloc.free_slots_for(block_bytes)
-        per_slab = self._alloc.slots_per_slab(block_bytes)
-        for slab, evictable in evictable_per_slab.items():
-            if self._alloc.slot_bytes_at(slab * self._alloc.slab_bytes) == slot_bytes:
-                obtainable += evictable  # same class: each eviction frees a usable slot
-            elif evictable == self._alloc.slab_used_slots(slab):
-                obtainable += per_slab  # another class: only a slab emptied whole helps
-        if obtainable < count:
-            raise CapacityExhausted(
-                f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
-                f"{self._alloc.capacity_bytes} bytes are used and evictions could free only {obtainable} "
-                "such slots (the rest is leased, pinned or in flight); nothing was evicted",
-                hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
-            )
+        def member(ns: bytes) -> bool:
+            return owner_of.get(ns, 0) == owner
+
+        return member
 
     def _count(self, namespace: bytes, delta: int) -> None:
         _bump(self._ns_bytes, namespace, delta)  # bounded: only namespaces holding bytes

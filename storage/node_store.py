@@ -28,9 +28,17 @@ def build_node_store(
     id_source: Callable[[], int] | None = None,
 ) -> HostStore | TieredStore:
     """``id_source``: lease and put ids (the daemon passes unguessable ones, see HostStore)."""
-    tiers = config.tiers
+    tiers, segment_bytes = config.tiers, config.segment_bytes  # per-tenant arena: the allocator's segments
     if tiers.disk_dir or tiers.device_capacity_bytes > 0:
-        return TieredStore(buffer, config.store, tiers, clock, on_event=on_event, id_source=id_source)
+        return TieredStore(
+            buffer, config.store, tiers, clock, on_event=on_event, id_source=id_source, segment_bytes=segment_bytes
+        )
     return HostStore(
-        buffer, config.store, clock, policy=make_policy(tiers.host_policy), on_event=on_event, id_source=id_source
+        buffer,
+        config.store,
+        clock,
+        policy=make_policy(tiers.host_policy),
+        on_event=on_event,
+        id_source=id_source,
+        segment_bytes=segment_bytes,
     )

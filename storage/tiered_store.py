@@ -42,6 +42,7 @@ from kvpool.core.config import StoreConfig, TierConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, KVPoolError, LeaseExpired, StorageFault
 from kvpool.core.events import EventKind
 from kvpool.core.invariants import checked_after, require
+from kvpool.storage.allocator import NewOwnerHook
 from kvpool.storage.block_record import BlockTable, DeviceDemotion, Fence
 from kvpool.storage.device_tier import DeviceTier
 from kvpool.storage.disk_tier import DiskBlock, DiskTier
@@ -88,7 +89,9 @@ class TieredStore:
         device_allow_cpu: bool = False,
         disk_direct_io: bool | None = None,
         id_source: Callable[[], int] | None = None,
+        segment_bytes: int = 0,
     ) -> None:
+        """``segment_bytes``: a per-tenant arena's segments (``HostStore``); 0 = one piece."""
         self.config = config
         self.tier_config = tiers
         self._buffer = buffer
@@ -138,7 +141,11 @@ class TieredStore:
             except KVPoolError as exc:
                 self.device_fault = str(exc)
                 log.error("device tier disabled, serving from the other tiers: %s", exc)
-            if self.device is not None and not self.device.pin_host(buffer) and tiers.device.startswith("cuda"):
+            # a per-tenant arena maps fresh memory over a segment that changes owner, which a
+            # cudaHostRegister of the old pages would not follow: it stays pageable (correct, slower)
+            if segment_bytes:
+                log.warning("per-tenant arena: the host arena is not page-locked; copies to HBM will be slower")
+            elif self.device is not None and not self.device.pin_host(buffer) and tiers.device.startswith("cuda"):
                 log.warning("could not page-lock the host arena (cudaHostRegister); copies to HBM will be slower")
         self.host = HostStore(
             buffer,
@@ -148,6 +155,7 @@ class TieredStore:
             on_event=self._on_host_event,
             on_evict=self._on_host_evict,
             id_source=id_source,
+            segment_bytes=segment_bytes,
         )
 
     # -- reads ---------------------------------------------------------------------------
@@ -228,6 +236,18 @@ class TieredStore:
 
     def tenant_bytes(self, tenant: str) -> int:
         return self.host.tenant_bytes(tenant)
+
+    def set_segment_owners(self, owners: dict[bytes, int], on_new_owner: NewOwnerHook | None) -> None:
+        """Per-tenant arenas count the host tier only (``HostStore.set_segment_owners``): a
+        promotion from disk or device is a host put in the block's namespace, so it lands in
+        that namespace's owner's segments; the lower tiers are not mapped by clients."""
+        self.host.set_segment_owners(owners, on_new_owner)
+
+    def segment_generations(self, offsets: list[int]) -> list[int]:
+        return self.host.segment_generations(offsets)
+
+    def segment_owner_at(self, offset: int) -> int:
+        return self.host.segment_owner_at(offset)
 
     # -- writes --------------------------------------------------------------------------
     @checked_after

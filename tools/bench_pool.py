@@ -102,6 +102,25 @@ def reserved_huge_pages(capacity_bytes: int) -> Iterator[bool]:
             fh.write(str(before))
 
 
+BENCH_TOKEN = "kvp_bench-tenant-token"
+
+
+def write_bench_credentials(sizes: Sequence[int]) -> str:
+    """A credentials file with one tenant that may use the namespaces ``bench_size`` uses."""
+    import hashlib
+    import tempfile
+
+    from kvpool.core.spec import Namespace
+
+    namespaces = [Namespace(spec_for(size), b"bench").digest().hex() for size in sizes]
+    digest = hashlib.sha256(BENCH_TOKEN.encode()).hexdigest()
+    tenant = {"name": "bench", "token_sha256": digest, "namespaces": namespaces}
+    fd, path = tempfile.mkstemp(prefix="kvpool-bench-", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"tenants": [tenant]}, fh)
+    return path
+
+
 def spec_for(block_bytes: int) -> KVSpec:
     # 8 layers x K,V x 8 heads x head_dim 64 x fp16 = 16 KiB per token
     tokens = block_bytes // (8 * 2 * 8 * 64 * 2)
@@ -112,14 +131,14 @@ def key_hashes(tag: int, block_bytes: int, n: int) -> list[bytes]:
     return [tag.to_bytes(4, "little") + block_bytes.to_bytes(4, "little") + i.to_bytes(8, "little") for i in range(n)]
 
 
-def bench_size(address: str, base: Baselines, block_bytes: int, repeats: int) -> dict[str, Any]:
+def bench_size(address: str, base: Baselines, block_bytes: int, repeats: int, token: str = "") -> dict[str, Any]:
     spec = spec_for(block_bytes)
     n = base.nbytes // block_bytes
     total = n * block_bytes
     src = base.private_src[:total].view(np.float16).reshape(n, *spec.block_shape)
     dst = base.private_dst[:total].view(np.float16).reshape(n, *spec.block_shape)
     times: dict[str, list[float]] = {k: [] for k in ("shm_read", "get_into", "huge_copy", "put", "shm_write")}
-    with PoolClient.connect(address, spec, salt=b"bench") as client:
+    with PoolClient.connect(address, spec, salt=b"bench", token=token) as client:
         hashes = key_hashes(0, block_bytes, n)
         client.remove(hashes)
         assert client.put(hashes, src).stored == n
@@ -318,6 +337,12 @@ def main() -> int:
     parser.add_argument("--client-rounds", type=int, default=3, help="alternations of copies / clients")
     parser.add_argument("--huge-pages", choices=("auto", "off"), default="auto", help="also measure a huge-page arena")
     parser.add_argument("--json", default="", help="also write the figures to this file")
+    parser.add_argument(
+        "--tenant-arena",
+        action="store_true",
+        help="also measure a per-tenant arena (--credentials: segments, docs/security.md) beside a one-piece "
+        "memfd arena (--arena-handoff fd), get_into and put only",
+    )
     args = parser.parse_args()
     total = args.total_mib * MiB
     sizes = [int(s) * KiB for s in args.sizes.split(",") if s]
@@ -339,14 +364,19 @@ def main() -> int:
         )
     results["one_pass"] = one_pass
     arenas: list[tuple[str, tuple[str, ...]]] = [("4 KiB-page arena", ())]
+    if args.tenant_arena:
+        creds = write_bench_credentials(sizes)
+        arenas.append(("one-piece memfd arena", ("--arena-handoff", "fd")))
+        arenas.append(("per-tenant arena", ("--arena-handoff", "fd", "--credentials", creds)))
     with reserved_huge_pages(capacity if args.huge_pages == "auto" else 0) as huge_ok:
         if huge_ok and args.huge_pages == "auto":
             arenas.append(("huge-page arena", ("--arena-huge-pages", "on", "--arena-handoff", "fd")))
         for title, extra in arenas:
+            token = BENCH_TOKEN if "--credentials" in extra else ""
             with daemon(capacity, *extra) as address:
-                rows = [bench_size(address, base, size, args.repeats) for size in sizes]
+                rows = [bench_size(address, base, size, args.repeats, token) for size in sizes]
                 clients = None
-                if args.clients:
+                if args.clients and not token:
                     block = 4 * MiB if 4 * MiB in sizes else sizes[-1]
                     per = max(block, total // args.clients // block * block)
                     clients = bench_clients(

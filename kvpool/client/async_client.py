@@ -158,7 +158,12 @@ class AsyncPoolClient:
             self.arena  # noqa: B018 -- Unavailable if not connected
             assert self._arena is not None
             with put_window(
-                self._arena, int(start.put_id), start.offsets, self.spec.block_bytes, self._token
+                self._arena,
+                int(start.put_id),
+                start.offsets,
+                self.spec.block_bytes,
+                self._token,
+                start.segment_generations,
             ) as window:
                 checksums = write_rows(window, rows, start.indices, start.offsets)
         except BaseException:
@@ -180,6 +185,8 @@ class AsyncPoolClient:
         if reply.lease_id == 0:
             return 0
         try:
+            assert self._arena is not None
+            self._arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
             good = read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
         finally:
             self._pending_releases.append(int(reply.lease_id))

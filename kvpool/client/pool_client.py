@@ -33,6 +33,7 @@ from kvpool.client.admin import PoolAdmin
 from kvpool.client.blocks import BlockFill, BlockUse, block_rows, fill_slots, read_rows, use_rows, write_rows
 from kvpool.client.tickets import NO_TICKET, ticket_of
 from kvpool.core.arena_map import ArenaMapping, PutWindow
+from kvpool.core.arena_segments import SegmentedMapping
 from kvpool.core.errors import InvalidArgument, KVPoolError, TenantBusy, Unavailable, UnknownNamespace
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import HASH_SCHEME, block_hashes, pack_hashes
@@ -41,7 +42,7 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
-from kvpool.transport.arena_handoff import receive_arena_fd
+from kvpool.transport.arena_handoff import receive_arena_fd, receive_arena_segment
 
 log = logging.getLogger("kvpool.client")
 
@@ -98,17 +99,35 @@ def attach_arena(
         return current
     if current is not None:
         current.close()
+    if reply.arena_socket and reply.arena_segment_bytes:  # per tenant: segments mapped as leases name them
+        socket_path = reply.arena_socket
+
+        def fetch(mode: str, put_id: int, segment: int) -> tuple[int, int]:
+            return receive_arena_segment(socket_path, mode, put_id, segment, token)
+
+        return SegmentedMapping(socket_path, reply.arena_bytes, reply.arena_segment_bytes, fetch)
     if reply.arena_socket:
         fd = receive_arena_fd(reply.arena_socket, "r", 0, token)
         return ArenaMapping.from_fd(fd, reply.arena_bytes, name=reply.arena_socket)
     return ArenaMapping.attach(reply.arena_path, reply.arena_bytes)
 
 
-def put_window(arena: ArenaMapping, put_id: int, offsets: Sequence[int], block_bytes: int, token: str) -> PutWindow:
+def put_window(
+    arena: ArenaMapping,
+    put_id: int,
+    offsets: Sequence[int],
+    block_bytes: int,
+    token: str,
+    generations: Sequence[int] = (),
+) -> PutWindow:
     """Writable mappings of only the slots of put ``put_id`` (``ArenaMapping.put_window``), to
     be closed when its bytes are in. A handed-out arena's write descriptor is asked for
     once, naming the put (the node hands it only to a put's holder), and kept for later
-    puts' windows; nothing outside a window is ever mapped writable in the client."""
+    puts' windows; nothing outside a window is ever mapped writable in the client. A
+    per-tenant arena asks for each segment's (``generations``: the reply's) the same way."""
+    if isinstance(arena, SegmentedMapping):
+        arena.ensure(offsets, generations, put_id)
+        return arena.put_window(offsets, block_bytes)
     if not arena.can_write:
         arena.adopt_write_fd(receive_arena_fd(arena.path, "w", put_id, token))
     return arena.put_window(offsets, block_bytes)
@@ -288,11 +307,13 @@ class PoolClient:
             raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
         return self._arena.view
 
-    def _put_window(self, put_id: int, offsets: Sequence[int]) -> PutWindow:
+    def _put_window(self, start: pool_pb2.PutStartReply) -> PutWindow:
         self.arena  # noqa: B018 -- Unavailable if not connected
         assert self._arena is not None
         with self._lock:  # one hand-off for the write descriptor, however many threads put
-            return put_window(self._arena, put_id, offsets, self.spec.block_bytes, self._token)
+            return put_window(
+                self._arena, start.put_id, start.offsets, self.spec.block_bytes, self._token, start.segment_generations
+            )
 
     # -- API -----------------------------------------------------------------------------
     def hashes(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[bytes]:
@@ -338,7 +359,7 @@ class PoolClient:
         if start.put_id == 0:
             return StagedPut(self, start, [])
         try:
-            with self._put_window(start.put_id, start.offsets) as window:
+            with self._put_window(start) as window:
                 checksums = write(window, start)
         except BaseException:
             self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
@@ -373,6 +394,8 @@ class PoolClient:
         if reply.lease_id == 0:
             return 0
         try:
+            assert self._arena is not None
+            self._arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
             good = read(reply)
         finally:
             self._release_later(int(reply.lease_id))

@@ -18,7 +18,7 @@ import bisect
 import fcntl
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -99,6 +99,11 @@ class ArenaMapping:
         """Whether this client holds a descriptor it can open put windows with."""
         return self._write_fd >= 0
 
+    def ensure(self, offsets: Sequence[int], generations: Sequence[int], put_id: int = 0) -> None:
+        """Make the bytes at ``offsets`` readable (and, with ``put_id``, writable through a put
+        window): nothing to do for a one-piece arena, mapped whole. A per-tenant arena
+        (``kvpool.core.arena_segments``) maps the segments they lie in here."""
+
     def put_window(self, offsets: Sequence[int], length: int) -> PutWindow:
         """Writable mappings of the pages that ``[offset, offset + length)`` of each offset
         covers, and of nothing else; close it (``with``) as soon as the bytes are in."""
@@ -151,19 +156,24 @@ class PutWindow:
 
     def __init__(
         self,
-        fd: int,
+        fd: int | Callable[[int], int],
         capacity_bytes: int,
         offsets: Sequence[int],
         length: int,
         page_bytes: int = mmap.ALLOCATIONGRANULARITY,
+        segment_bytes: int = 0,
     ) -> None:
+        """``fd``: the write descriptor of the arena, or, for a per-tenant arena of
+        ``segment_bytes`` segments, a function from a segment to its write descriptor (a
+        run of pages then never spans two segments, and maps its segment's file)."""
         page = page_bytes
         ranges: list[tuple[int, int]] = []
         for offset in sorted(offsets):
             if offset < 0 or length <= 0 or offset + length > capacity_bytes:
                 raise InvalidArgument(f"arena slot [{offset}, {offset + length}) is outside 0..{capacity_bytes}")
             start, stop = offset - offset % page, min(-(-(offset + length) // page) * page, capacity_bytes)
-            if ranges and start <= ranges[-1][1]:
+            same_segment = not segment_bytes or (ranges and ranges[-1][0] // segment_bytes == start // segment_bytes)
+            if ranges and start <= ranges[-1][1] and same_segment:
                 ranges[-1] = (ranges[-1][0], max(ranges[-1][1], stop))
             else:
                 ranges.append((start, stop))
@@ -173,12 +183,13 @@ class PutWindow:
         self._length = length
         try:
             for start, stop in ranges:
+                seg = start // segment_bytes if segment_bytes else 0
                 mapping = mmap.mmap(
-                    fd,
+                    fd if isinstance(fd, int) else fd(seg),
                     stop - start,
                     mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                     mmap.PROT_READ | mmap.PROT_WRITE,
-                    offset=start,
+                    offset=start - seg * segment_bytes,
                 )
                 self._runs.append((start, stop, mapping, np.frombuffer(mapping, dtype=np.uint8)))
         except BaseException:

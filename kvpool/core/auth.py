@@ -95,6 +95,21 @@ CLUSTER = Principal("cluster", admin=False, namespaces=None, cluster=True)
 
 
 @dataclass(frozen=True)
+class ArenaOwners:
+    """The owners of a per-tenant arena's segments (``Credentials.arena_owners``)."""
+
+    namespace_owner: dict[bytes, int]  # namespace -> owner; a namespace not listed: owner 0
+
+    def owners_of(self, principal: Principal) -> frozenset[int] | None:
+        """The owners whose segments ``principal`` may map: those of its namespaces; None
+        (every segment) for admins, the cluster and the anonymous caller, who may use every
+        namespace anyway."""
+        if principal.namespaces is None:
+            return None
+        return frozenset(self.namespace_owner.get(ns, 0) for ns in principal.namespaces)
+
+
+@dataclass(frozen=True)
 class _Entry:
     digest: bytes  # sha256 of the token, 32 bytes
     principal: Principal
@@ -137,6 +152,20 @@ class Credentials:
             if e.principal.quota_bytes and e.principal.namespaces
             for ns in e.principal.namespaces
         }
+
+    def arena_owners(self) -> ArenaOwners:
+        """Who owns which segments of a per-tenant arena (docs/security.md): the namespaces
+        listed by exactly the same tenants form one owner (1, 2, ... in a stable order), so
+        a segment holds only blocks that every tenant who can map it may read anyway;
+        namespaces no tenant lists (only admins reach them) are owner 0."""
+        listed_by: dict[bytes, set[str]] = {}
+        for entry in self.entries:
+            if entry.principal.namespaces is not None:
+                for ns in entry.principal.namespaces:
+                    listed_by.setdefault(ns, set()).add(entry.principal.name)
+        groups = sorted({tuple(sorted(names)) for names in listed_by.values()})
+        number = {group: i + 1 for i, group in enumerate(groups)}
+        return ArenaOwners({ns: number[tuple(sorted(names))] for ns, names in listed_by.items()})
 
     def cluster_token_ok(self, token: bytes) -> bool:
         """Whether ``token`` is the cluster token."""

@@ -4,6 +4,7 @@ daemon/CLI composition roots (``kvpool.daemon.config_loader``)."""
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 
 from kvpool.core.errors import InvalidArgument
@@ -11,6 +12,8 @@ from kvpool.core.fairness import TenantLimits
 
 GiB = 1 << 30
 MiB = 1 << 20
+#: a per-tenant arena's segments are multiples of this (a huge page: where a segment starts)
+SEGMENT_ALIGN_BYTES = 2 * MiB
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,11 @@ class DaemonConfig:
     # refuse to start without them), "try" (huge pages where the host has enough, else 4 KiB
     # with a warning). Huge pages need the memfd hand-off ("auto" becomes fd): storage/arena.py
     arena_huge_pages: str = "off"
+    # per-tenant arenas (docs/security.md): with credentials and the memfd hand-off the arena
+    # is made of segments of this many bytes, each owned by one tenant group at a time and
+    # handed only to its clients; 0 = auto (capacity / 16, at most 64 MiB, a multiple of
+    # the slab size and of 2 MiB)
+    arena_segment_bytes: int = 0
     # Prometheus GET /metrics, HOST:PORT; "" = off (docs/metrics.md). Not loopback needs ``insecure``.
     metrics_listen: str = ""
     # file mode of the hand-off socket, octal: 0o600 admits only the daemon's uid; 0o666 lets
@@ -231,6 +239,12 @@ class DaemonConfig:
             raise InvalidArgument(
                 "--arena-huge-pages on needs the memfd hand-off: a huge-page arena has no file in --arena-dir",
                 hint="use --arena-handoff fd (or auto), or --arena-huge-pages try to fall back to 4 KiB pages",
+            )
+        if self.arena_segment_bytes < 0 or self.arena_segment_bytes % self.segment_unit_bytes:
+            raise InvalidArgument(
+                f"arena_segment_bytes {self.arena_segment_bytes} is not a multiple of {self.segment_unit_bytes} "
+                "(the slab size and 2 MiB)",
+                hint="use a multiple of both --slab-bytes and 2 MiB, or 0 (auto)",
             )
         if self.metrics_listen:
             host, _, port = self.metrics_listen.rpartition(":")
@@ -292,6 +306,31 @@ class DaemonConfig:
         if self.arena_handoff == "auto":
             return bool(self.credentials_file) or self.arena_huge_pages != "off"
         return self.arena_handoff == "fd"
+
+    @property
+    def segment_unit_bytes(self) -> int:
+        """What a segment's size must be a multiple of: a slab (slabs never straddle two
+        segments) and 2 MiB (a huge page, where a segment must start)."""
+        return math.lcm(self.store.slab_bytes, SEGMENT_ALIGN_BYTES)
+
+    @property
+    def arena_per_tenant(self) -> bool:
+        """Whether the arena is made of per-tenant segments: with credentials (tenants to tell
+        apart) and the memfd hand-off (a file would give everyone everything); not with the
+        NIXL transport, which registers the arena's pages once (a segment that changes owner
+        gets fresh pages) and serves one tenant only anyway (docs/cluster.md)."""
+        return self.arena_by_fd and bool(self.credentials_file) and self.cluster.transport != "nixl"
+
+    @property
+    def segment_bytes(self) -> int:
+        """The arena's segment size, 0 for a one-piece arena (``arena_segment_bytes``; auto:
+        a sixteenth of the capacity, at most 64 MiB, at least one unit)."""
+        if not self.arena_per_tenant:
+            return 0
+        if self.arena_segment_bytes:
+            return self.arena_segment_bytes
+        unit = self.segment_unit_bytes
+        return max(unit, min(64 * MiB, self.store.capacity_bytes // 16) // unit * unit)
 
     @property
     def admin_enabled(self) -> bool:

@@ -7,6 +7,11 @@ read-only unless the client names a put it holds. What this does not stop (a pro
 the same uid can ptrace the daemon or a client, or open ``/proc/PID/fd/N``) is written
 down in docs/security.md.
 
+With a per-tenant arena (``kvpool.storage.arena_segments``) a client asks for one segment
+at a time and gets it only while the segment's owner is one of its token's tenant groups
+(``Credentials.arena_owners``): a lease or put names the offsets, and a client maps the
+segments they lie in when it first needs them.
+
 Bounded: one request line of at most 1 KiB per connection, a 2 s deadline per connection,
 connections served one at a time by one supervised thread (a client that stalls delays
 others by at most that deadline).
@@ -22,12 +27,13 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from kvpool.core.auth import ANONYMOUS, Credentials
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.auth import ANONYMOUS, ArenaOwners, Credentials
+from kvpool.core.errors import InvalidArgument, PermissionDenied
 from kvpool.core.supervisor import Supervisor
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.arena import SharedArena, _pid_alive
-from kvpool.transport.arena_handoff import MAX_REASON_BYTES, MAX_REQUEST_BYTES, unpack_request
+from kvpool.storage.arena_segments import SegmentedArena
+from kvpool.transport.arena_handoff import MAX_REASON_BYTES, MAX_REQUEST_BYTES, pack_reply, unpack_request
 
 log = logging.getLogger("kvpool.arena_handoff")
 
@@ -52,7 +58,9 @@ class ArenaHandoff:
         self._credentials = credentials
         self._put_pending = put_pending
         self.path = str(pathlib.Path(directory) / f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
-        self._ro_fd = arena.read_only_fd()
+        self._segmented = isinstance(arena, SegmentedArena)
+        self._ro_fd = -1 if self._segmented else arena.read_only_fd()
+        self._owners = ArenaOwners({}) if credentials is None else credentials.arena_owners()
         self._sock: socket.socket | None = None
         self._refusals = RateLimitedLog(log, REFUSAL_LOG_INTERVAL_S)
         self.handed_ro = 0
@@ -125,7 +133,7 @@ class ArenaHandoff:
         conn.sendall(b"E" + reason.encode()[:MAX_REASON_BYTES])
 
     def _serve(self, conn: socket.socket) -> None:
-        mode, put_id, token = unpack_request(self._read_line(conn))
+        mode, put_id, segment, token = unpack_request(self._read_line(conn))
         principal = ANONYMOUS if self._credentials is None else self._credentials.identify(token)
         if principal is None:
             self._refuse(conn, "unauthenticated: no credential has this token")
@@ -133,8 +141,22 @@ class ArenaHandoff:
         if mode == "w" and not self._put_pending(put_id):
             self._refuse(conn, f"put {put_id} is not in flight: a writable arena is handed only to a put's holder")
             return
-        fd = self._arena.fd if mode == "w" else self._ro_fd
-        socket.send_fds(conn, [b"K"], [fd])
+        if self._segmented:
+            assert isinstance(self._arena, SegmentedArena)
+            try:
+                fd, generation = self._arena.segment_fd(segment, mode == "w", self._owners.owners_of(principal))
+            except (PermissionDenied, InvalidArgument) as err:
+                self._refuse(conn, err.message)
+                return
+            try:
+                socket.send_fds(conn, [pack_reply(generation)], [fd])
+            finally:
+                os.close(fd)  # a descriptor per request: the client has its own now
+        elif segment != 0:
+            self._refuse(conn, f"segment {segment}: this arena is one piece (segment 0)")
+            return
+        else:
+            socket.send_fds(conn, [pack_reply(0)], [self._arena.fd if mode == "w" else self._ro_fd])
         if mode == "w":
             self.handed_rw += 1
         else:

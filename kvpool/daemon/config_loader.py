@@ -306,6 +306,15 @@ OPTIONS: list[Option] = [
         "2 MiB pages. Needs the memfd hand-off ('auto' becomes fd). See docs/tiers.md.",
     ),
     Option(
+        "--arena-segment-bytes",
+        "arena_segment_bytes",
+        parse_bytes,
+        "per-tenant arenas (with --credentials and the memfd hand-off): the arena is made of "
+        "segments of this size, each owned by one tenant group at a time; a client maps only its "
+        "tenants' segments. A multiple of --slab-bytes and of 2 MiB. See docs/security.md.",
+        default_means="auto: capacity / 16, at most 64 MiB",
+    ),
+    Option(
         "--arena-socket-mode",
         "arena_socket_mode",
         parse_octal,

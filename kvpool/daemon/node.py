@@ -30,7 +30,8 @@ from kvpool.daemon.counters import TrafficCounters
 from kvpool.daemon.event_log import EventLog
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.allocator import check_block_fits
-from kvpool.storage.arena import HugePagesUnavailable, SharedArena
+from kvpool.storage.arena import MEMINFO_PATH, HugePagesUnavailable, SharedArena
+from kvpool.storage.arena_segments import SegmentedArena
 from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
 
@@ -59,6 +60,8 @@ def create_arena(config: DaemonConfig) -> SharedArena:
     ``arena_dir``; on reserved huge pages with ``arena_huge_pages`` on / try ("try" falls
     back to 4 KiB pages with a warning that says how to reserve them)."""
     capacity, overcommit, huge = config.store.capacity_bytes, config.store.allow_overcommit, config.arena_huge_pages
+    if config.segment_bytes:  # per tenant: a memfd per segment (storage/arena_segments.py)
+        return create_segmented_arena(config)
     if not config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
         if huge == "try":
             log.warning("arena: 4 KiB pages (--arena-huge-pages try needs --arena-handoff fd or auto)")
@@ -71,6 +74,19 @@ def create_arena(config: DaemonConfig) -> SharedArena:
                 raise
             log.warning("arena: 4 KiB pages, not huge pages: %s (%s)", err.message, err.hint)
     return SharedArena.create_memfd(capacity, allow_overcommit=overcommit)
+
+
+def create_segmented_arena(config: DaemonConfig) -> SegmentedArena:
+    """A per-tenant arena of ``config.segment_bytes`` segments, on huge pages as asked."""
+    capacity, huge, meminfo = config.store.capacity_bytes, config.arena_huge_pages, MEMINFO_PATH
+    if huge != "off":
+        try:
+            return SegmentedArena(capacity, config.segment_bytes, huge_pages=True, meminfo_path=meminfo)
+        except HugePagesUnavailable as err:
+            if huge == "on":
+                raise
+            log.warning("arena: 4 KiB pages, not huge pages: %s (%s)", err.message, err.hint)
+    return SegmentedArena(capacity, config.segment_bytes, huge_pages=False, meminfo_path=meminfo)
 
 
 class PoolNode:

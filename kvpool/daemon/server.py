@@ -31,6 +31,7 @@ from kvpool.rpc.codec import server_options
 from kvpool.rpc.credentials import load_credentials, load_tls
 from kvpool.rpc.metrics import ServiceMetrics
 from kvpool.rpc.serving import add_typed_service
+from kvpool.storage.arena_segments import SegmentedArena
 
 log = logging.getLogger("kvpool.server")
 
@@ -69,6 +70,17 @@ class PoolServer:
         self.node = PoolNode(config, MonotonicClock())
         if self.credentials is not None and self.credentials.tenant_quotas():
             self.node.store.set_tenant_quotas(self.credentials.tenant_quotas())  # before any put
+        if self.credentials is not None and isinstance(self.node.arena, SegmentedArena):  # per-tenant arena
+            owners = self.credentials.arena_owners().namespace_owner
+            self.node.store.set_segment_owners(owners, self.node.arena.on_owned)
+            groups = len(set(owners.values()))
+            if self.node.arena.num_segments < groups:
+                log.warning(
+                    "arena: %d segments for %d tenant groups: a group gets room only while another's "
+                    "segment is empty (raise --capacity-bytes or lower --arena-segment-bytes)",
+                    self.node.arena.num_segments,
+                    groups,
+                )
         self.handoff: ArenaHandoff | None = None
         if config.arena_by_fd:
             self.handoff = ArenaHandoff(

@@ -260,6 +260,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             lease_ttl_ms=cfg.lease_ttl_ms,
             max_batch_blocks=cfg.max_batch_blocks,
             block_bytes=info.spec.block_bytes,
+            arena_segment_bytes=getattr(self.node.arena, "segment_bytes", 0),
         )
 
     @typed_handler
@@ -278,12 +279,14 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self._release(request.release_lease_ids)
         grant = self.node.lease(info, keys)
         self._current.walked = len(grant.locations)
+        offsets = [loc.offset for loc in grant.locations]
         return pool_pb2.LeaseReply(
             lease_id=grant.lease_id,
-            offsets=[loc.offset for loc in grant.locations],
+            offsets=offsets,
             checksums=[loc.checksum for loc in grant.locations],
             block_bytes=info.spec.block_bytes,
             expires_in_ms=self.node.config.store.lease_ttl_ms,
+            segment_generations=self.node.store.segment_generations(offsets),
         )
 
     @typed_handler
@@ -298,10 +301,12 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         grant = self.node.store.put_start(info.digest, keys, info.spec.block_bytes)
+        offsets = [off for _, off in grant.slots]
         return pool_pb2.PutStartReply(
             put_id=grant.put_id,
             indices=[i for i, _ in grant.slots],
-            offsets=[off for _, off in grant.slots],
+            offsets=offsets,
+            segment_generations=self.node.store.segment_generations(offsets),
             already_present=grant.already_present,
             in_flight=grant.in_flight,
             block_bytes=info.spec.block_bytes,
@@ -376,6 +381,10 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_path"] = self.node.arena.path
         summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
         summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
+        # per-tenant arena (docs/security.md): its segments' size (0 = one piece), and how many
+        # times a segment got fresh memory for a new owner
+        summary["arena_segment_bytes"] = getattr(self.node.arena, "segment_bytes", 0)
+        summary["arena_segments_renewed"] = getattr(self.node.arena, "renewed", 0)
         summary["hash_scheme"] = HASH_SCHEME
         summary["last_event_seq"] = self.node.events.last_seq
         host_policy = self.node.tier_policy("host")  # the host store does not know its policy's name

@@ -41,7 +41,7 @@ class HelloRequest(_message.Message):
     def __init__(self, hash_scheme: _Optional[str] = ..., protocol_version: _Optional[str] = ..., spec: _Optional[_Union[Spec, _Mapping]] = ..., namespace: _Optional[bytes] = ..., spec_digest: _Optional[bytes] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("node_id", "hash_scheme", "protocol_version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "block_bytes", "arena_socket", "data_ticket", "data_ticket_key", "data_ticket_ttl_ms")
+    __slots__ = ("node_id", "hash_scheme", "protocol_version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "block_bytes", "arena_socket", "data_ticket", "data_ticket_key", "data_ticket_ttl_ms", "arena_segment_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class HelloReply(_message.Message):
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hash_scheme: str
     protocol_version: str
@@ -66,7 +67,8 @@ class HelloReply(_message.Message):
     data_ticket: bytes
     data_ticket_key: bytes
     data_ticket_ttl_ms: int
-    def __init__(self, node_id: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., protocol_version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_ticket_key: _Optional[bytes] = ..., data_ticket_ttl_ms: _Optional[int] = ...) -> None: ...
+    arena_segment_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., protocol_version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_ticket_key: _Optional[bytes] = ..., data_ticket_ttl_ms: _Optional[int] = ..., arena_segment_bytes: _Optional[int] = ...) -> None: ...
 
 class HashesRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "release_lease_ids")
@@ -85,18 +87,20 @@ class LookupReply(_message.Message):
     def __init__(self, hits: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("lease_id", "offsets", "checksums", "block_bytes", "expires_in_ms")
+    __slots__ = ("lease_id", "offsets", "checksums", "block_bytes", "expires_in_ms", "segment_generations")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     expires_in_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    segment_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., segment_generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
@@ -111,20 +115,22 @@ class ReleaseReply(_message.Message):
     def __init__(self, expired: _Optional[int] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
-    __slots__ = ("put_id", "indices", "offsets", "already_present", "in_flight", "block_bytes")
+    __slots__ = ("put_id", "indices", "offsets", "already_present", "in_flight", "block_bytes", "segment_generations")
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     put_id: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     already_present: _containers.RepeatedScalarFieldContainer[int]
     in_flight: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
-    def __init__(self, put_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., already_present: _Optional[_Iterable[int]] = ..., in_flight: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    segment_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, put_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., already_present: _Optional[_Iterable[int]] = ..., in_flight: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., segment_generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutCommitRequest(_message.Message):
     __slots__ = ("put_id", "checksums")

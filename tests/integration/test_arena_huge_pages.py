@@ -114,3 +114,30 @@ def test_on_puts_the_arena_on_huge_pages(reserved_huge_pages: int) -> None:
         assert pages["status"] == "ok" and "huge pages of 2.0 MiB" in pages["detail"], pages
     finally:
         daemon.cleanup()
+
+
+def test_a_per_tenant_arena_on_huge_pages(reserved_huge_pages: int, tmp_path: Path) -> None:
+    """With credentials the huge-page arena is per tenant: one hugetlb memfd per segment,
+    each starting on a 2 MiB boundary; each tenant maps only its own, in whole huge pages."""
+    from test_auth import TOKEN_A, TOKEN_B, write_credentials
+
+    from kvpool.core.arena_segments import SegmentedMapping
+
+    free_before = HugePageRoom.measure().free_pages
+    creds = write_credentials(str(tmp_path))
+    daemon = start_daemon("--arena-huge-pages", "on", "--credentials", creds, capacity="64MiB")
+    try:
+        assert free_before - HugePageRoom.measure().free_pages == 32  # every page of every segment, up front
+        blocks = np.random.default_rng(4).standard_normal((8, *SPEC.block_shape)).astype(np.float16)
+        segments = []
+        for salt, token in ((b"salt-a", TOKEN_A), (b"salt-b", TOKEN_B)):
+            with PoolClient.connect(daemon.address, SPEC, salt=salt, token=token) as client:
+                hashes = client.hashes(range(16 * 8))
+                assert client.put(hashes, blocks).stored == 8
+                np.testing.assert_array_equal(client.get(hashes), blocks)
+                assert isinstance(client._arena, SegmentedMapping) and client._arena.page_bytes == 2 << 20
+                assert client.arena.ctypes.data % (2 << 20) == 0
+                segments.append(set(client._arena.mapped_segments()))
+        assert len(segments[0]) == len(segments[1]) == 1 and not segments[0] & segments[1]
+    finally:
+        daemon.cleanup()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -29,38 +30,51 @@ from test_auth import NS_A, SPEC, TOKEN_A, TOKEN_B, TOKENS, make_blocks, wait_fo
 
 import kvpool.client.pool_client as pool_client_module
 from kvpool import PoolClient
+from kvpool.core.arena_segments import SegmentedMapping
 
 SCRIBBLER = textwrap.dedent(
     """
-    import mmap, os, sys
+    import json, mmap, os, sys
     from kvpool import KVSpec, PoolClient
-    from kvpool.transport.arena_handoff import receive_arena_fd
-    address, token, arena_path, capacity = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    from kvpool.core.errors import PermissionDenied
+    from kvpool.transport.arena_handoff import receive_arena_segment
+    address, token, arena_path, capacity, salt = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     spec = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+    fds, refused = [], 0
     if arena_path:  # a node without the hand-off: any process of the uid opens the file
-        fd = os.open(arena_path, os.O_RDWR)
-    else:  # tenant B starts a put of its own, so the node hands it the write descriptor
-        b = PoolClient.connect(address, spec, salt=b"salt-b", token=token)
+        fds.append(os.open(arena_path, os.O_RDWR))
+    else:  # a client starts a put of its own, so the node hands it write descriptors
+        b = PoolClient.connect(address, spec, salt=salt.encode(), token=token)
         start = b._rpc(b._stub.PutStart, b._hashes_request(b.hashes(range(10**6, 10**6 + 16))))
         assert start.put_id != 0
-        fd = receive_arena_fd(b._arena.path, "w", start.put_id, token)
-    view = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    view[:] = b"\\xab" * capacity  # every byte of the arena, every tenant's blocks
-    view.close()
-    print("scribbled", capacity)
+        for seg in range(b._arena.num_segments):  # ask for every segment of the arena
+            try:
+                fds.append(receive_arena_segment(b._arena.path, "w", start.put_id, seg, token)[0])
+            except PermissionDenied:
+                refused += 1
+    scribbled = 0
+    for fd in fds:
+        size = os.fstat(fd).st_size
+        view = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        view[:] = b"\\xab" * size  # every byte it was handed
+        view.close()
+        scribbled += size
+    print(json.dumps({"scribbled": scribbled, "refused": refused}))
     """
 )
 
 
 def arena_maps(client: PoolClient) -> list[tuple[int, str]]:
-    """(bytes, perms) of each mapping of the client's arena in this process."""
+    """(bytes, perms) of each mapping of the client's arena in this process (a per-tenant
+    arena's segments: the memfds named ``kvpool-arena-N``)."""
     assert client._arena is not None
-    inode = os.fstat(client._arena.fd).st_ino
+    segmented = isinstance(client._arena, SegmentedMapping)
+    inode = -1 if segmented else os.fstat(client._arena.fd).st_ino
     out = []
     with open("/proc/self/maps") as fh:
         for line in fh:
             parts = line.split()
-            if len(parts) >= 6 and int(parts[4]) == inode:
+            if len(parts) >= 6 and (int(parts[4]) == inode or (segmented and "memfd:kvpool-arena-" in parts[5])):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 out.append((hi - lo, parts[1]))
     return out
@@ -85,7 +99,8 @@ def test_a_client_maps_the_arena_read_only_outside_its_puts(
     daemon, _ = start(daemon_factory, workdir, mode)
     with PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
         maps = arena_maps(a)
-        assert maps and all("w" not in perms for _, perms in maps)  # read-only from Hello on
+        assert all("w" not in perms for _, perms in maps)  # read-only from Hello on
+        assert (maps == []) == (mode == "fd")  # per tenant: no segment mapped before a lease or put
         during: list[list[tuple[int, str]]] = []
         real_write_rows = pool_client_module.write_rows
 
@@ -106,7 +121,7 @@ def test_a_client_maps_the_arena_read_only_outside_its_puts(
             a.arena[0] = 1
         np.testing.assert_array_equal(a.get(hashes), blocks)
         assert a.put(a.hashes([t + 5 for t in TOKENS]), make_blocks(4, seed=22)).stored == 4  # again
-        assert all("w" not in perms for _, perms in arena_maps(a))
+        assert arena_maps(a) and all("w" not in perms for _, perms in arena_maps(a))
 
 
 @pytest.mark.parametrize("mode", ["fd", "file"])
@@ -127,14 +142,26 @@ def test_a_post_commit_overwrite_by_another_process_is_never_served(
         np.testing.assert_array_equal(a.get(hashes), blocks)
         assert a._arena is not None
         arena_path = a._arena.path if mode == "file" else ""
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIBBLER, daemon.address, TOKEN_B, arena_path, str(a._arena.capacity_bytes)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        assert (a.arena[: 1 << 20] == 0xAB).all()  # the bytes really changed under the daemon
+
+        def scribble(token: str, salt: str) -> dict[str, int]:
+            assert a._arena is not None
+            argv = [sys.executable, "-c", SCRIBBLER, daemon.address, token, arena_path, str(a._arena.capacity_bytes)]
+            done = subprocess.run([*argv, salt], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            result: dict[str, int] = json.loads(done.stdout)
+            return result
+
+        if mode == "fd":  # per-tenant arena: tenant B is handed none of A's segments
+            by_b = scribble(TOKEN_B, "salt-b")
+            assert by_b["refused"] >= 1 and by_b["scribbled"] < a._arena.capacity_bytes
+            np.testing.assert_array_equal(a.get(hashes), blocks)  # A's bytes untouched, all served
+            # the checksums still catch a writer of A's own tenant (another process with A's token)
+            assert scribble(TOKEN_A, "salt-a")["scribbled"] > 0
+        else:
+            assert scribble(TOKEN_B, "salt-b")["scribbled"] == a._arena.capacity_bytes  # the file: all of it
+        lease = a._rpc(a._stub.Lease, a._hashes_request(hashes))
+        a._arena.ensure(lease.offsets, lease.segment_generations)
+        assert all((a.arena[off : off + SPEC.block_bytes] == 0xAB).all() for off in lease.offsets)  # really changed
         # the data plane serves nothing wrong: the reader checks the committed checksums
         transport = TcpTransport(timeout_s=5.0)
         transport.use_tickets(StaticTickets(a.data_ticket))

@@ -377,26 +377,46 @@ def test_data_plane_peers_are_admitted_only_with_a_credential(daemon_factory: An
 
 
 def test_the_arena_is_handed_only_to_admitted_clients(auth_daemon: DaemonHandle) -> None:
-    """Issue 10 item 3: with credentials the arena is a memfd with no path; a client gets a
-    read-only descriptor for its token and the writable one only while it holds a put."""
+    """Issue 10 item 3: with credentials the arena is memfds with no path, one per segment
+    (per-tenant arenas); a client gets a read-only descriptor of a segment of its own
+    tenant for its token, never one of another tenant's, and a writable one only while it
+    holds a put."""
     import mmap
 
-    from kvpool.transport.arena_handoff import receive_arena_fd
+    from kvpool.core.arena_segments import SegmentedMapping
+    from kvpool.transport.arena_handoff import receive_arena_segment
 
     assert auth_daemon.arena_files() == []  # no arena file any process of the uid could open
-    with PoolClient.connect(auth_daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a:
-        socket_path = a._arena.path if a._arena is not None else ""
+    with (
+        PoolClient.connect(auth_daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a,
+        PoolClient.connect(auth_daemon.address, SPEC, salt=b"salt-b", token=TOKEN_B) as b,
+    ):
+        assert isinstance(a._arena, SegmentedMapping) and isinstance(b._arena, SegmentedMapping)
+        socket_path = a._arena.path
         assert socket_path.endswith(".sock") and oct(os.stat(socket_path).st_mode & 0o777) == "0o600"
-        assert a._arena is not None and not a._arena.writable  # read-only until a put
+        assert not a._arena.writable and a._arena.mapped_segments() == []  # nothing mapped before a lease or put
         hashes = a.hashes(TOKENS)
         blocks = make_blocks(4, seed=11)
         assert a.put(hashes, blocks).stored == 4
         np.testing.assert_array_equal(a.get(hashes), blocks)
-        # the token is checked; a writable descriptor needs a put in flight
-        for token, mode, put_id in (("", "r", 0), ("kvp_wrong", "r", 0), (TOKEN_A, "w", 12345), (TOKEN_B, "w", 1)):
+        (seg_a,) = a._arena.mapped_segments()
+        assert b.put(b.hashes(TOKENS), blocks).stored == 4
+        (seg_b,) = b._arena.mapped_segments()
+        assert seg_a != seg_b
+        # the token is checked; a writable descriptor needs a put in flight; another tenant's
+        # segment is refused whatever the request
+        for token, mode, put_id, seg in (
+            ("", "r", 0, seg_a),
+            ("kvp_wrong", "r", 0, seg_a),
+            (TOKEN_A, "w", 12345, seg_a),
+            (TOKEN_B, "w", 1, seg_b),
+            (TOKEN_B, "r", 0, seg_a),
+            (TOKEN_A, "r", 0, seg_b),
+            (TOKEN_B, "r", 0, 10**6),
+        ):
             with pytest.raises(PermissionDenied):
-                receive_arena_fd(socket_path, mode, put_id, token)
-        ro = receive_arena_fd(socket_path, "r", 0, TOKEN_B)  # any admitted client may map it read-only
+                receive_arena_segment(socket_path, mode, put_id, seg, token)
+        ro, _ = receive_arena_segment(socket_path, "r", 0, seg_b, TOKEN_B)  # its own segment, read-only
         try:
             with pytest.raises(PermissionError):
                 mmap.mmap(ro, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -406,7 +426,7 @@ def test_the_arena_is_handed_only_to_admitted_clients(auth_daemon: DaemonHandle)
             os.close(ro)
         assert a._arena.can_write and not a._arena.writable  # a write descriptor, still a read-only view
         with pytest.raises(PermissionError):  # sealed: no holder can shrink it under the daemon
-            os.ftruncate(a._arena._write_fd, 0)
+            os.ftruncate(a._arena._write_fds[seg_a][0], 0)
         np.testing.assert_array_equal(a.get(hashes), blocks)
 
 

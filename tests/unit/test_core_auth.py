@@ -100,8 +100,9 @@ def test_the_arena_handoff_request_is_bounded_and_exact() -> None:
     from kvpool.transport.arena_handoff import MAX_REQUEST_BYTES, pack_request, unpack_request
 
     line = pack_request("w", 42, "kvp_token")
-    assert unpack_request(line) == ("w", 42, "kvp_token")
-    assert unpack_request(pack_request("r", 0, "")) == ("r", 0, "")
+    assert unpack_request(line) == ("w", 42, 0, "kvp_token")
+    assert unpack_request(pack_request("r", 0, "")) == ("r", 0, 0, "")
+    assert unpack_request(pack_request("r", 7, "t", segment=12)) == ("r", 7, 12, "t")
     assert len(pack_request("r", 2**64 - 1, "t" * MAX_TOKEN_BYTES)) <= MAX_REQUEST_BYTES
     for bad in (b"", b"KVPA1 r 0\n", b"KVPA2 r 0 t\n", b"KVPA1 x 0 t\n", b"KVPA1 r -1 t\n", b"KVPA1 r 0 a b\n",
                 b"KVPA1 r " + b"9" * 21 + b" t\n", b"KVPA1 r 0 " + b"t" * (MAX_TOKEN_BYTES + 1) + b"\n"):  # fmt: skip

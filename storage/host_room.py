@@ -1,0 +1,93 @@
+"""How the host store makes room for a put in an owner's segments (``HostStore._allocate``):
+whether any choice of evictions can give it the slots (checked before anything is evicted,
+so a put that must fail costs no stored block), and emptying one whole segment of another
+owner when it has nothing of its own to evict (per-tenant arenas, docs/security.md). Kept
+beside the store (it reads the store's private state) so the store's own module stays
+about its operations; called with the store's lock held."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.core.errors import CapacityExhausted
+from kvpool.storage.allocator import NO_OWNER, slot_size_for
+
+if TYPE_CHECKING:
+    from kvpool.storage.host_store import HostStore
+
+
+def evict_segment(store: HostStore, owner: int) -> bool:
+    """Empty one segment of another owner whose blocks can all be evicted (the one with
+    the fewest), so that it goes back to the free segments; False if there is none. A
+    scan of the index, only when ``owner`` has no room and nothing of its own to evict."""
+    blocks: dict[int, list[bytes]] = {}
+    stuck: set[int] = set()
+    for key, entry in store._index.items():
+        seg = store._alloc.segment_of(entry.offset)
+        if store._evictable(key):
+            blocks.setdefault(seg, []).append(key)
+        else:
+            stuck.add(seg)
+    candidates = [
+        seg
+        for seg, keys in blocks.items()
+        if seg not in stuck
+        and store._alloc.segment_owner(seg) not in (owner, NO_OWNER)
+        and _segment_only_holds(store, seg, len(keys))
+    ]
+    if not candidates:
+        return False
+    victim = min(candidates, key=lambda seg: len(blocks[seg]))
+    for key in blocks[victim]:
+        store._policy.on_remove(key)
+        store._evict_entry(store._index[key])
+    return True
+
+
+def _segment_only_holds(store: HostStore, seg: int, blocks: int) -> bool:
+    """Whether the segment's used slots are exactly ``blocks`` indexed blocks (no pending
+    put or leased, removed block holds a slot in it)."""
+    first = seg * store._alloc.slabs_per_segment
+    slabs = range(first, first + store._alloc.segment_slabs(seg))
+    return sum(store._alloc.slab_used_slots(slab) for slab in slabs) == blocks
+
+
+def check_can_fit(store: HostStore, count: int, block_bytes: int, owner: int = 0) -> None:
+    """Raise CapacityExhausted, before anything is evicted, if no choice of evictions can
+    yield ``count`` slots of this size for ``owner``: a put that must fail costs no stored
+    block.
+
+    Counted per slab, because slabs are per size class: evicting a block frees a slot of
+    its own class, and frees room for another class only when its whole slab empties; a
+    slab of another owner helps only when its whole segment empties.
+    A scan of the index, but only on this path (eviction is needed to fit).
+    """
+    slot_bytes = slot_size_for(block_bytes)
+    evictable_per_slab: dict[int, int] = {}
+    for key, entry in store._index.items():
+        if store._evictable(key):
+            slab = store._alloc.slab_of(entry.offset)
+            evictable_per_slab[slab] = evictable_per_slab.get(slab, 0) + 1
+    obtainable = store._alloc.free_slots_for(block_bytes, owner)
+    per_slab = store._alloc.slots_per_slab(block_bytes)
+    others: dict[int, bool] = {}  # another owner's segment -> whether all of it can be evicted
+    for slab, evictable in evictable_per_slab.items():
+        seg = store._alloc.segment_of(slab * store._alloc.slab_bytes)
+        whole = evictable == store._alloc.slab_used_slots(slab)
+        if store._alloc.segment_owner(seg) != owner:
+            others[seg] = others.get(seg, True) and whole
+        elif store._alloc.slot_bytes_at(slab * store._alloc.slab_bytes) == slot_bytes:
+            obtainable += evictable  # same class: each eviction frees a usable slot
+        elif whole:
+            obtainable += per_slab  # another class: only a slab emptied whole helps
+    for seg, whole in others.items():  # emptied whole, another owner's segment is free for anyone
+        evictable_slabs = sum(1 for slab in evictable_per_slab if slab // store._alloc.slabs_per_segment == seg)
+        if whole and evictable_slabs == store._alloc.segment_slabs_used(seg):
+            obtainable += store._alloc.segment_slabs(seg) * per_slab
+    if obtainable < count:
+        raise CapacityExhausted(
+            f"no room for {count} blocks of {block_bytes} bytes: {store._alloc.used_bytes} of "
+            f"{store._alloc.capacity_bytes} bytes are used and evictions could free only {obtainable} "
+            "such slots (the rest is leased, pinned or in flight); nothing was evicted",
+            hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
+        )
