@@ -61,14 +61,23 @@ def event_from_msg(msg: pool_pb2.Event) -> KVEvent:
     )
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
 
 
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options for every kvpool gRPC channel. Each channel keeps its own subchannels: by
+    default gRPC shares them process-wide, so a new channel to a daemon that was down
+    inherits the old one's reconnect backoff (1 s, then x1.6 per failure) and keeps failing
+    with the stale "connection refused" after the daemon is back; a client that reconnects
+    by making a new channel (``ResilientPool``) would then miss a restarted pool for seconds."""
+    return [*_message_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options for every kvpool gRPC server. SO_REUSEPORT is off: gRPC turns it on by default,
     which would let a second daemon silently share a port in use instead of failing to start."""
-    return [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    return [*_message_options(max_message_bytes), ("grpc.so_reuseport", 0)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -85,3 +86,32 @@ def test_configuration_errors_are_raised_not_swallowed() -> None:
         pool.close()
     finally:
         daemon.cleanup()
+
+
+def test_a_pool_restarted_right_after_failed_retries_is_used_by_the_first_call() -> None:
+    """Retries against a killed daemon, then the daemon back on the same port: the very next
+    call reconnects. (gRPC shares subchannels process-wide by default, so the new channel
+    inherited the failed one's reconnect backoff and kept answering "connection refused"
+    for seconds after the daemon was back while an old client was still held: the vLLM
+    test's restarted pool went unused.)"""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    clock = FakeClock()
+    pool = _pool(address, clock)
+    blocks = np.random.default_rng(1).random((4, *SPEC.block_shape)).astype(np.float16)
+    hashes = pool.hashes(TOKENS)
+    alive = []  # old clients something still holds (a staged put in a saver's queue, another thread)
+    for life in range(3):
+        daemon = start_daemon(capacity="64MiB", port=port)
+        try:
+            clock.advance(1000)  # past retry_interval_ms: the next call tries again
+            assert pool.lookup(hashes) == 0 and pool.available, f"life {life}: the restarted pool was not used"
+            pool.put(hashes, blocks)
+            assert pool.lookup(hashes) == 4
+            alive.append(pool._client)
+        finally:
+            daemon.kill()
+        for _ in range(12):  # failed retries while it is down for 3 s (each past the retry interval)
+            time.sleep(0.25)
+            clock.advance(1000)
+            assert pool.lookup(hashes) == 0 and not pool.available
