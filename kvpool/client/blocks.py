@@ -94,23 +94,40 @@ ENGINE_RUN_BYTES = 8 << 20
 
 
 def adjacent_runs(
-    offsets: Sequence[int], indices: Sequence[int], block_bytes: int, most_bytes: int | None = None
+    offsets: Sequence[int],
+    indices: Sequence[int],
+    block_bytes: int,
+    most_bytes: int | None = None,
+    split_bytes: int = 0,
 ) -> list[tuple[int, int]]:
     """``(first, count)`` runs of positions whose arena offsets and row indices both follow
     one another (block k+1 right after block k on both sides), each at most ``most_bytes``
     long (``COPY_PIECE_BYTES`` when None) unless one block alone is larger: small blocks of
-    one batch that the allocator placed side by side are copied in one call, not one each."""
+    one batch that the allocator placed side by side are copied in one call, not one each.
+    With ``split_bytes`` (a per-tenant arena's segment size) no run crosses a multiple of it:
+    a put window maps each segment on its own, so two slots either side of a segment edge
+    are adjacent in the arena but not in one mapping."""
     most = max(1, (COPY_PIECE_BYTES if most_bytes is None else most_bytes) // block_bytes)
     runs: list[tuple[int, int]] = []
     for k in range(len(offsets)):
         if runs:
             first, count = runs[-1]
             last = first + count - 1
-            if count < most and offsets[k] == offsets[last] + block_bytes and indices[k] == indices[last] + 1:
+            if (
+                count < most
+                and offsets[k] == offsets[last] + block_bytes
+                and indices[k] == indices[last] + 1
+                and not (split_bytes and offsets[k] // split_bytes != offsets[first] // split_bytes)
+            ):
                 runs[-1] = (first, count + 1)
                 continue
         runs.append((k, 1))
     return runs
+
+
+def _split_bytes(arena: np.ndarray | PutWindow) -> int:
+    """Where runs written through ``arena`` must break (``adjacent_runs``)."""
+    return arena.segment_bytes if isinstance(arena, PutWindow) else 0
 
 
 def _copy_checksum_block(dst: np.ndarray, src: np.ndarray, hash_dst: bool) -> int:
@@ -145,7 +162,7 @@ def write_rows(
     piece just before it is copied (one pass over the bytes: module docstring)."""
     block_bytes = rows.shape[1]
     checksums: list[int] = []
-    for first, count in adjacent_runs(offsets, indices, block_bytes):
+    for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
         offset, index = offsets[first], indices[first]
         target = _slot_bytes(arena, offset, offset + count * block_bytes)
         if count == 1:
@@ -204,7 +221,7 @@ def fill_slots(
     in the arena (and in ``indices``) are handed out together, up to ``ENGINE_RUN_BYTES``
     (still in the last-level cache for the checksum) unless one block alone is larger."""
     checksums: list[int] = []
-    for first, count in adjacent_runs(offsets, indices, block_bytes, ENGINE_RUN_BYTES):
+    for first, count in adjacent_runs(offsets, indices, block_bytes, ENGINE_RUN_BYTES, _split_bytes(window)):
         offset = offsets[first]
         rows = _slot_bytes(window, offset, offset + count * block_bytes).reshape(count, block_bytes)
         fill(int(indices[first]), count, rows)

@@ -181,6 +181,8 @@ class PutWindow:
         self._runs: list[tuple[int, int, mmap.mmap, np.ndarray]] = []
         self._slots = set(offsets)
         self._length = length
+        #: each segment is its own mapping (0: one arena file); writers break runs there
+        self.segment_bytes = segment_bytes
         try:
             for start, stop in ranges:
                 seg = start // segment_bytes if segment_bytes else 0

@@ -163,3 +163,36 @@ def test_fill_slots_and_use_rows_hand_out_every_slot_once_with_true_checksums(
         assert good == (8 if bad is None else bad) and seen == list(range(good))
     finally:
         blocks_mod.ENGINE_RUN_BYTES = old
+
+
+@pytest.mark.parametrize("block_bytes", [64 * 1024, 256 * 1024])
+def test_slots_either_side_of_a_segment_edge_are_written_through_their_own_mappings(block_bytes: int) -> None:
+    """A per-tenant arena maps each segment of a put on its own: two slots side by side in
+    the arena but on either side of a segment edge are written as two runs (write_rows and
+    fill_slots), never as one run that spans two mappings (InvalidArgument before)."""
+    segment = 2 * 1024 * 1024
+    fds = [os.memfd_create(f"test-segment-{k}", os.MFD_CLOEXEC) for k in range(2)]
+    try:
+        for fd in fds:
+            os.ftruncate(fd, segment)
+        offsets = [segment - block_bytes, segment]
+        rows = np.random.default_rng(block_bytes).integers(0, 256, (2, block_bytes), dtype=np.uint8)
+        with PutWindow(lambda seg: fds[seg], 2 * segment, offsets, block_bytes, segment_bytes=segment) as window:
+            sums = write_rows(window, rows, [0, 1], offsets)
+        assert sums == [checksum64(rows[0]), checksum64(rows[1])]
+        assert os.pread(fds[0], block_bytes, segment - block_bytes) == rows[0].tobytes()
+        assert os.pread(fds[1], block_bytes, 0) == rows[1].tobytes()
+
+        calls: list[tuple[int, int]] = []
+
+        def fill(first: int, count: int, slots: np.ndarray) -> None:
+            calls.append((first, count))
+            slots[:] = 255 - rows[first : first + count]
+
+        with PutWindow(lambda seg: fds[seg], 2 * segment, offsets, block_bytes, segment_bytes=segment) as window:
+            sums = fill_slots(window, block_bytes, [0, 1], offsets, fill)
+        assert calls == [(0, 1), (1, 1)] and sums == [checksum64(255 - rows[0]), checksum64(255 - rows[1])]
+        assert os.pread(fds[1], block_bytes, 0) == (255 - rows[1]).tobytes()
+    finally:
+        for fd in fds:
+            os.close(fd)
