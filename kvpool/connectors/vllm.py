@@ -147,6 +147,11 @@ class BackgroundSaver:
             self._pending_bytes += nbytes
         try:
             staged = stage()
+        except KVPoolError as err:  # a refused PutStart (full, busy, denied): a lost cache entry
+            self._done(nbytes)
+            log.warning("kvpool: a save of %d blocks was not staged: %s", len(hashes), err)
+            self._stats.dropped_save_blocks += len(hashes)
+            return False
         except BaseException:
             self._done(nbytes)
             raise

@@ -18,9 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.connectors.pool_api import InProcessPool
-from kvpool.connectors.vllm import VllmPoolConnectorLogic, layer_order, pages_for_blocks
+from kvpool.connectors.vllm import (
+    BackgroundSaver,
+    ConnectorStats,
+    VllmPoolConnectorLogic,
+    layer_order,
+    pages_for_blocks,
+)
 from kvpool.connectors.vllm_layout import describe_caches, kv_view, manager_to_kernel_pages
-from kvpool.core.errors import InvalidArgument, SpecMismatch
+from kvpool.core.errors import CapacityExhausted, InvalidArgument, SpecMismatch
 from kvpool.core.spec import KVSpec
 
 torch.set_num_threads(1)
@@ -352,3 +358,30 @@ def test_mqa_one_kv_head(backend: str) -> None:
     consumer.start_load_kv(consumer.build_connector_meta([]))
     for name in src:
         assert torch.equal(dst[name][[4, 5, 7, 2]], src[name][[3, 1, 6, 0]])
+
+
+def test_a_save_the_pool_refuses_to_stage_is_dropped_and_counted_not_raised() -> None:
+    """PutStart refused on the engine step (pool full, tenant busy, permission): the save is
+    a lost cache entry, counted; it never reaches the engine as an error (which would make
+    the worker stop using the pool for good), and the saver takes the next save."""
+    spec = KVSpec("m", 2, 2, 8, "float16", 16)
+    pool = InProcessPool(spec)
+    stats = ConnectorStats()
+    saver = BackgroundSaver(pool, 1 << 20, stats)
+    try:
+        hashes = pool.hashes(list(range(32)))
+
+        def refused() -> None:
+            raise CapacityExhausted("the pool is full")
+
+        assert saver.submit(hashes, spec.block_bytes * 2, refused) is False
+        assert stats.dropped_save_blocks == 2 and saver.drain(5.0)
+
+        def broken() -> None:
+            raise RuntimeError("a bug of ours")
+
+        with pytest.raises(RuntimeError):  # not a pool refusal: still the worker's to handle
+            saver.submit(hashes, spec.block_bytes * 2, broken)
+        assert saver.drain(5.0)
+    finally:
+        saver.stop()
