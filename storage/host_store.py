@@ -715,7 +715,10 @@ class HostStore:
         mine = self._owned_by(owner)
         if self._alloc.free_slots_for(block_bytes, owner) < count:
             check_can_fit(self, count, block_bytes, owner)
-        if self._alloc.used_bytes + need > self.config.high_watermark * capacity:
+        # the watermarks keep headroom in a shared arena; with owners (per-tenant segments)
+        # only the owner's own blocks could be evicted here, which would chase an arena-wide
+        # target through one tenant's cache: there, room is made only on demand (below)
+        if mine is None and self._alloc.used_bytes + need > self.config.high_watermark * capacity:
             target = max(0.0, self.config.low_watermark * capacity - need)
             while self._alloc.used_bytes > target and self._evict_one(mine):
                 pass

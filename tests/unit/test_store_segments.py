@@ -134,3 +134,17 @@ def test_a_promotion_from_disk_lands_in_the_owner_segments(tmp_path: pathlib.Pat
         store.release(lease.lease_id)
     finally:
         store.close()
+
+
+def test_the_watermark_never_evicts_an_owner_that_has_room() -> None:
+    """Arena-wide watermarks with owners: B holds most of the arena, so the arena is above
+    its high watermark; A's put fits in A's own segment and must evict nothing of A's
+    (only A's blocks can be evicted for A, so chasing the arena-wide target wiped A's cache)."""
+    config = StoreConfig(capacity_bytes=SEGMENTS * SEGMENT, slab_bytes=SLAB, high_watermark=0.5, low_watermark=0.4)
+    buffer = np.zeros(config.capacity_bytes, dtype=np.uint8)
+    seg = Segmented(HostStore(buffer, config, FakeClock(), segment_bytes=SEGMENT), buffer)
+    seg.put(A, range(2))  # A: one segment, 6 slots free
+    seg.put(B, range(16))  # B: two segments; the arena is 18/32 used, above 0.5
+    seg.put(A, [10, 11])
+    assert seg.held(A, [0, 1, 10, 11]) == [0, 1, 10, 11]
+    assert seg.held(B, range(16)) == list(range(16))
