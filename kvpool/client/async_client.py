@@ -185,9 +185,11 @@ class AsyncPoolClient:
         if reply.lease_id == 0:
             return 0
         try:
-            assert self._arena is not None
-            self._arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
-            good = read_rows(self.arena, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
+            arena = self._arena  # taken once: a reconnect may replace it meanwhile
+            if arena is None:
+                raise Unavailable(f"not connected to {self.address}")
+            arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
+            good = read_rows(arena.view, rows, reply.offsets, reply.checksums, f"node {self.node_id}")
         finally:
             self._pending_releases.append(int(reply.lease_id))
         if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node

@@ -303,16 +303,21 @@ class PoolClient:
         """The daemon's shared-memory arena as a uint8 array (read-only unless a put of this client holds it
         writable); Unavailable before connect.
         """
-        if self._arena is None:
+        return self._mapping().view
+
+    def _mapping(self) -> ArenaMapping:
+        """The arena mapping now, taken once per call: a re-Hello from another thread may
+        replace ``_arena``, and a read must map and read through one and the same mapping."""
+        arena = self._arena
+        if arena is None:
             raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
-        return self._arena.view
+        return arena
 
     def _put_window(self, start: pool_pb2.PutStartReply) -> PutWindow:
-        self.arena  # noqa: B018 -- Unavailable if not connected
-        assert self._arena is not None
+        arena = self._mapping()  # Unavailable if not connected
         with self._lock:  # one hand-off for the write descriptor, however many threads put
             return put_window(
-                self._arena, start.put_id, start.offsets, self.spec.block_bytes, self._token, start.segment_generations
+                arena, start.put_id, start.offsets, self.spec.block_bytes, self._token, start.segment_generations
             )
 
     # -- API -----------------------------------------------------------------------------
@@ -374,7 +379,7 @@ class PoolClient:
         if not hashes:
             return 0
         block_bytes, source = self.spec.block_bytes, f"node {self.node_id}"
-        return self._leased(hashes, lambda r: use_rows(self.arena, block_bytes, r.offsets, r.checksums, use, source))
+        return self._leased(hashes, lambda r, view: use_rows(view, block_bytes, r.offsets, r.checksums, use, source))
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
         """Read the leading cached blocks of ``hashes`` into ``out`` ([>= n, *block_shape]).
@@ -386,17 +391,18 @@ class PoolClient:
         if not hashes:
             return 0
         source = f"node {self.node_id}"
-        return self._leased(hashes, lambda r: read_rows(self.arena, rows, r.offsets, r.checksums, source))
+        return self._leased(hashes, lambda r, view: read_rows(view, rows, r.offsets, r.checksums, source))
 
-    def _leased(self, hashes: Sequence[bytes], read: Callable[[pool_pb2.LeaseReply], int]) -> int:
-        """Lease, ``read`` (returns the leading verified blocks), release later, report a bad block."""
+    def _leased(self, hashes: Sequence[bytes], read: Callable[[pool_pb2.LeaseReply, np.ndarray], int]) -> int:
+        """Lease, ``read`` through the arena view (returns the leading verified blocks),
+        release later, report a bad block."""
         reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
         if reply.lease_id == 0:
             return 0
         try:
-            assert self._arena is not None
-            self._arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
-            good = read(reply)
+            arena = self._mapping()
+            arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
+            good = read(reply, arena.view)
         finally:
             self._release_later(int(reply.lease_id))
         if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node
