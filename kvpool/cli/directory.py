@@ -29,6 +29,11 @@ TENANT_FLAGS = (
 )
 
 
+def _limit(flag: str) -> str:
+    """``--tenant-wait-ms`` -> ``wait_ms``: the ``TenantLimits`` field a flag sets."""
+    return flag.removeprefix("--tenant-").replace("-", "_")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:7440", help="gRPC address, HOST:PORT (default 127.0.0.1:7440)")
     parser.add_argument("--advertise", default="", help="address others reach this instance at (default: --listen)")
@@ -68,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     defaults = TenantLimits()
     for flag, help_text in TENANT_FLAGS:
-        attr = flag.removeprefix("--tenant-").replace("-", "_")
-        parser.add_argument(flag, type=int, default=getattr(defaults, attr), help=f"{help_text} (default %(default)s)")
+        parser.add_argument(
+            flag, type=int, default=getattr(defaults, _limit(flag)), help=f"{help_text} (default %(default)s)"
+        )
     parser.add_argument(
         "--metrics-listen",
         default="",
@@ -102,14 +108,7 @@ def run(args: argparse.Namespace) -> int:
             node_tls_ca_file=args.node_tls_ca,
             insecure=args.insecure,
             metrics_listen=args.metrics_listen,
-            tenant=TenantLimits(
-                budget_units=args.tenant_budget_units,
-                rate_units_per_s=args.tenant_rate_units_per_s,
-                max_calls=args.tenant_max_calls,
-                wait_ms=args.tenant_wait_ms,
-                walk_cost_items=args.tenant_walk_cost_items,
-                call_cost_items=args.tenant_call_cost_items,
-            ),
+            tenant=TenantLimits(**{_limit(flag): getattr(args, "tenant_" + _limit(flag)) for flag, _ in TENANT_FLAGS}),
         )
         server = DirectoryServer(config)
         server.start()
