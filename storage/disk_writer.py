@@ -44,6 +44,8 @@ from kvpool.storage.disk_layout import (
 from kvpool.storage.disk_state import DiskParts, QueuedBlock
 
 log = logging.getLogger("kvpool.storage.disk_tier")
+#: how often an idle writer looks whether it was asked to stop (the marker may not fit the queue)
+STOP_POLL_S = 0.1
 
 WRITER_MAX_BATCH = 64  # blocks per write-behind batch (one fdatasync + one index commit)
 WRITER_LINGER_S = 0.002  # how long the writer waits for a batch to fill
@@ -73,6 +75,7 @@ class DiskWriter:
         self._write_mutex = threading.Lock()  # one batch is placed at a time
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-disk-commit")
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()  # set by stop(): the writer ends once the queue is empty
         self._faults = FaultLog(log)
 
     def start(self) -> None:
@@ -89,6 +92,7 @@ class DiskWriter:
         disk stuck in an I/O): then the caller must not close the files and the index it
         writes to, or a late write could land in a descriptor number the process reused."""
         thread = self._thread
+        self._stopping.set()
         if thread is not None:
             deadline_s = time.monotonic() + timeout_s
             try:  # a full queue behind a stuck writer must not block the stop itself
@@ -167,7 +171,12 @@ class DiskWriter:
         finishing: Future[int] | None = None
         stop = False
         while not stop:
-            first = self.queue.get()
+            try:  # the stop marker may not fit in a full queue: stop() also sets _stopping
+                first = self.queue.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    break
+                continue
             if first is None:
                 break
             batch = [first]
