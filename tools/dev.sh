@@ -13,7 +13,8 @@ NIXL_REQUIREMENT="nixl-cu12==1.5.1"  # the same pin as kvpool/transport/nixl.py 
 setup() {
     local stamp="$VENV/.kvpool-installed"
     local want
-    want=$( (cat pyproject.toml; echo "$NIXL_REQUIREMENT") | sha256sum | cut -d' ' -f1)
+    # the C kernel is built by the install too: a change to it installs again
+    want=$( (cat pyproject.toml kvpool/core/*.c; echo "$NIXL_REQUIREMENT") | sha256sum | cut -d' ' -f1)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
         return 0
     fi

@@ -8,6 +8,8 @@ Each check gives ok / warn / fail / skip, what it found and, unless ok, what to 
   memory        MemAvailable (plus the running daemon's own arena) covers capacity_bytes
   arena pages   which pages the running daemon's arena is on (huge or 4 KiB), else whether
                 the host has the huge pages --arena-huge-pages asks for
+  copy kernel   whether copies and checksums run in one pass (the native kernel, AVX2 where
+                the CPU has it) or on the slower numpy + xxhash path (no C compiler at install)
   disk tier     when configured: the directory is writable and has room for its capacity
   etcd          when configured: each endpoint answers GET /health
   ucx           ucxx imports, and the UCX components it would use (tcp, shared memory, RDMA)
@@ -27,6 +29,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvpool.core.checksum import native_kernel
 
 from rich.table import Table
 
@@ -233,6 +237,21 @@ def _nixl(config: DaemonConfig) -> Check:
     return Check("nixl", "ok", detail)
 
 
+def _copy_kernel(kernel: str | None) -> Check:
+    """The one-pass copy + checksum of this install (kvpool/core/checksum.py): the daemon's
+    commit verification and every same-host client of this install use it."""
+    if kernel == "avx2":
+        return Check("copy kernel", "ok", "one pass (native, AVX2): a verified read runs at copy speed")
+    if kernel == "scalar":
+        return Check("copy kernel", "ok", "one pass (native, portable C: this CPU has no AVX2)")
+    return Check(
+        "copy kernel",
+        "warn",
+        "numpy + xxhash (the native kernel was not built): verified reads and puts are slower",
+        "install gcc and the Python headers, then reinstall kvpool (bash tools/dev.sh setup)",
+    )
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     config_check, config = _config(args)
     daemon_check, stats = _daemon(args)
@@ -241,6 +260,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks.append(_directory("arena", config.arena_dir, config.store.capacity_bytes, running, want_tmpfs=True))
     checks.append(_memory(config, stats))
     checks.append(_arena_pages(config, stats, HugePageRoom.measure()))
+    checks.append(_copy_kernel(native_kernel()))
     if config.tiers.disk_dir:
         checks.append(_directory("disk tier", config.tiers.disk_dir, config.tiers.disk_capacity_bytes, running, False))
     else:

@@ -2,9 +2,9 @@
 
 Shared by the sync and async clients. Arrays come in as numpy arrays or CPU torch
 tensors of the spec's dtype and shape ``[n, *spec.block_shape]``; they are viewed (never
-copied) as ``[n, block_bytes]`` uint8 rows. Writers checksum the source rows right
-before the copy; readers checksum the destination rows right after it, so what the
-caller ends up holding is what was verified.
+copied) as ``[n, block_bytes]`` uint8 rows. Every copy computes the checksum of the bytes it
+stores in the same pass (``kvpool.core.checksum.copy_checksum_rows``): a writer's checksum is
+that of what landed in its slot, a reader's that of what the caller ends up holding.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from kvpool.core.arena_map import PutWindow
+from kvpool.core.checksum import checksum_rows, copy_checksum_rows
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.spec import KVSpec
 
@@ -78,19 +78,17 @@ def block_rows(blocks: Any, spec: KVSpec, what: str, writable: bool = False) -> 
     return arr.reshape(shape[0], spec.block_bytes)
 
 
-#: bytes copied per piece: the checksum of a piece runs right after its copy, on bytes still
-#: in the core's cache (L2 is 1-2 MiB per core on the hosts we measured), so each byte of a
-#: block crosses memory once. Large enough that the Python cost per piece (~2 us) is small
-#: next to its copy (~40 us at 6-7 GB/s); docs/benchmarks.md has the measurements.
-COPY_PIECE_BYTES = 256 * 1024
-
-
 #: bytes handed to an engine's callback at once (``fill_slots`` / ``use_rows``): its gather or
 #: scatter kernel costs tens of microseconds per call and per layer, which 256 KiB pieces
 #: would not repay (one call per 2 MiB Llama-3-8B block measured 2x slower than one call per
 #: four); 8 MiB still sits in the last-level cache (105 MiB on the bench host) for the
 #: checksum right before or after, so each byte still crosses DRAM once.
 ENGINE_RUN_BYTES = 8 << 20
+
+#: bytes of adjacent blocks copied by one call (``read_rows`` / ``write_rows``): the copy
+#: hashes as it goes (``copy_checksum_rows``), so a run's length only sets how many Python
+#: calls a batch costs; a bad block still ends the read at that block.
+COPY_RUN_BYTES = 8 << 20
 
 
 def adjacent_runs(
@@ -102,12 +100,12 @@ def adjacent_runs(
 ) -> list[tuple[int, int]]:
     """``(first, count)`` runs of positions whose arena offsets and row indices both follow
     one another (block k+1 right after block k on both sides), each at most ``most_bytes``
-    long (``COPY_PIECE_BYTES`` when None) unless one block alone is larger: small blocks of
+    long (``COPY_RUN_BYTES`` when None) unless one block alone is larger: small blocks of
     one batch that the allocator placed side by side are copied in one call, not one each.
     With ``split_bytes`` (a per-tenant arena's segment size) no run crosses a multiple of it:
     a put window maps each segment on its own, so two slots either side of a segment edge
     are adjacent in the arena but not in one mapping."""
-    most = max(1, (COPY_PIECE_BYTES if most_bytes is None else most_bytes) // block_bytes)
+    most = max(1, (COPY_RUN_BYTES if most_bytes is None else most_bytes) // block_bytes)
     runs: list[tuple[int, int]] = []
     for k in range(len(offsets)):
         if runs:
@@ -130,24 +128,6 @@ def _split_bytes(arena: np.ndarray | PutWindow) -> int:
     return arena.segment_bytes if isinstance(arena, PutWindow) else 0
 
 
-def _copy_checksum_block(dst: np.ndarray, src: np.ndarray, hash_dst: bool) -> int:
-    """Copy one block (flat uint8 ``src`` -> ``dst``) in ``COPY_PIECE_BYTES`` pieces, feeding
-    each piece to a streaming xxh3-64 right after (reader: the copied bytes, ``hash_dst``) or
-    right before (writer: the source bytes) its copy. The digest equals ``checksum64`` of
-    the whole block (xxh3 streaming is exact; ``tests/unit/test_block_copy.py``)."""
-    state = xxhash.xxh3_64()
-    for start in range(0, dst.shape[0], COPY_PIECE_BYTES):
-        piece_src = src[start : start + COPY_PIECE_BYTES]
-        piece_dst = dst[start : start + COPY_PIECE_BYTES]
-        if hash_dst:
-            np.copyto(piece_dst, piece_src)
-            state.update(piece_dst.data)
-        else:
-            state.update(piece_src.data)
-            np.copyto(piece_dst, piece_src)
-    return state.intdigest()
-
-
 def _slot_bytes(arena: np.ndarray | PutWindow, start: int, stop: int) -> np.ndarray:
     if isinstance(arena, PutWindow):
         return arena.view_of(start, stop)
@@ -158,39 +138,29 @@ def write_rows(
     arena: np.ndarray | PutWindow, rows: np.ndarray, indices: Sequence[int], offsets: Sequence[int]
 ) -> list[int]:
     """Copy rows[indices[i]] into the arena at offsets[i] (a client writes through its put's
-    window, ``SharedArena.put_window``); return the source checksums, each computed on the
-    piece just before it is copied (one pass over the bytes: module docstring)."""
+    window, ``SharedArena.put_window``); return each slot's checksum, computed in the same
+    pass as its copy (module docstring). Adjacent slots of adjacent rows are one copy."""
     block_bytes = rows.shape[1]
     checksums: list[int] = []
     for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
         offset, index = offsets[first], indices[first]
-        target = _slot_bytes(arena, offset, offset + count * block_bytes)
-        if count == 1:
-            checksums.append(_copy_checksum_block(target, rows[index], hash_dst=False))
-            continue
-        source = rows[index : index + count]
-        checksums.extend(xxhash.xxh3_64_intdigest(source[k]) for k in range(count))
-        np.copyto(target, source.reshape(-1))
+        target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
+        checksums.extend(copy_checksum_rows(target, rows[index : index + count]))
     return checksums
 
 
 def read_rows(arena: np.ndarray, dst: np.ndarray, offsets: Sequence[int], checksums: Sequence[int], source: str) -> int:
     """Copy arena blocks into dst rows and verify each; return how many leading rows are good.
 
-    The copy and the check are one pass: each piece is checksummed right after its copy,
-    while it is in cache (``COPY_PIECE_BYTES``); adjacent small blocks are copied together.
-    A row that fails its checksum and every row after it are treated as misses: the
-    caller recomputes them. Nothing after a bad row is trusted or reported as read.
+    The copy and the check are one pass (``copy_checksum_rows``); adjacent blocks are
+    copied together. A row that fails its checksum and every row after it are treated as
+    misses: the caller recomputes them. Nothing after a bad row is trusted or reported as read.
     """
     block_bytes = dst.shape[1]
     for first, count in adjacent_runs(offsets, range(len(offsets)), block_bytes):
         offset = offsets[first]
-        if count == 1:
-            got = [_copy_checksum_block(dst[first], arena[offset : offset + block_bytes], hash_dst=True)]
-        else:
-            rows = dst[first : first + count]
-            np.copyto(rows.reshape(-1), arena[offset : offset + count * block_bytes])
-            got = [xxhash.xxh3_64_intdigest(rows[k]) for k in range(count)]
+        source_rows = arena[offset : offset + count * block_bytes].reshape(count, block_bytes)
+        got = copy_checksum_rows(dst[first : first + count], source_rows)
         for k, digest in enumerate(got):
             if digest != checksums[first + k]:
                 i = first + k
@@ -225,7 +195,7 @@ def fill_slots(
         offset = offsets[first]
         rows = _slot_bytes(window, offset, offset + count * block_bytes).reshape(count, block_bytes)
         fill(int(indices[first]), count, rows)
-        checksums.extend(xxhash.xxh3_64_intdigest(rows[k]) for k in range(count))
+        checksums.extend(checksum_rows(rows))
     return checksums
 
 
@@ -241,8 +211,9 @@ def use_rows(
     for first, count in adjacent_runs(offsets, range(len(offsets)), block_bytes, ENGINE_RUN_BYTES):
         offset = offsets[first]
         rows = arena[offset : offset + count * block_bytes].reshape(count, block_bytes)
+        got = checksum_rows(rows)
         good = 0
-        while good < count and xxhash.xxh3_64_intdigest(rows[good]) == checksums[first + good]:
+        while good < count and got[good] == checksums[first + good]:
             good += 1
         if good:
             use(first, good, rows[:good])

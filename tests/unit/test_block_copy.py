@@ -1,7 +1,8 @@
-"""One pass per byte (issue 13, item 2): ``read_rows`` / ``write_rows`` copy each block in
-pieces and checksum each piece while it is in cache, and copy adjacent small blocks in one
-call. The checksums must stay exactly xxh3-64 of the whole block (what every store, disk
-file and peer already holds), whatever the piece boundaries and runs."""
+"""One pass per byte (issue 13, item 2): ``read_rows`` / ``write_rows`` copy each run of
+adjacent blocks with one call that checksums as it copies (``copy_checksum_rows``; the
+kernels themselves: tests/property/test_checksum_native.py). The checksums must stay exactly
+xxh3-64 of the whole block (what every store, disk file and peer already holds), whatever
+the runs."""
 
 from __future__ import annotations
 
@@ -23,26 +24,9 @@ PAGE = mmap.ALLOCATIONGRANULARITY
 
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Pieces of 1000 bytes (not a divisor of any block size used here), so that blocks
-    span several pieces and the last piece is short."""
-    monkeypatch.setattr(blocks_mod, "COPY_PIECE_BYTES", 1000)
+    """Runs of at most 1000 bytes (not a divisor of any block size used here)."""
+    monkeypatch.setattr(blocks_mod, "COPY_RUN_BYTES", 1000)
     return 1000
-
-
-@settings(max_examples=80, deadline=None)
-@given(data=st.binary(min_size=0, max_size=20_000), piece=st.integers(1, 5000))
-def test_streaming_xxh3_over_pieces_is_the_one_shot_checksum(data: bytes, piece: int) -> None:
-    src = np.frombuffer(data, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    old = blocks_mod.COPY_PIECE_BYTES
-    blocks_mod.COPY_PIECE_BYTES = piece
-    try:
-        read_side = blocks_mod._copy_checksum_block(dst, src, hash_dst=True)
-        write_side = blocks_mod._copy_checksum_block(np.zeros_like(src), src, hash_dst=False)
-    finally:
-        blocks_mod.COPY_PIECE_BYTES = old
-    assert read_side == write_side == checksum64(data)
-    assert dst.tobytes() == data
 
 
 def test_runs_join_blocks_adjacent_on_both_sides_up_to_a_piece(small_pieces: int) -> None:
@@ -74,8 +58,8 @@ def test_read_and_write_rows_round_trip_with_true_checksums(
 ) -> None:
     """Slots laid out with some adjacent and some apart, in any order; what comes back is
     the bytes put, and every checksum is the one-shot xxh3-64 of its row."""
-    old = blocks_mod.COPY_PIECE_BYTES
-    blocks_mod.COPY_PIECE_BYTES = 1000
+    old = blocks_mod.COPY_RUN_BYTES
+    blocks_mod.COPY_RUN_BYTES = 1000
     try:
         offsets, arena = _layout(block_bytes, order, gaps)
         rows = np.random.default_rng(seed).integers(0, 256, (8, block_bytes), dtype=np.uint8)
@@ -85,7 +69,7 @@ def test_read_and_write_rows_round_trip_with_true_checksums(
         assert read_rows(arena, out, offsets, sums, "test") == 8
         assert np.array_equal(out, rows)
     finally:
-        blocks_mod.COPY_PIECE_BYTES = old
+        blocks_mod.COPY_RUN_BYTES = old
 
 
 @pytest.mark.parametrize("bad", [0, 1, 2, 4])

@@ -1,5 +1,5 @@
 """``kvpool inspect doctor``'s nixl line: which NIXL backends start here, and a clear skip / fail
-(with the install command) where NIXL is missing."""
+(with the install command) where NIXL is missing; and its copy-kernel line."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ def test_with_nixl_the_line_lists_the_backends_that_start_here() -> None:
     check = _nixl(NIXL_CONFIG)
     assert check.status == "ok" and "UCX" in check.detail.split(";")[0]
     assert ("staged" in check.detail) == nixl_agent.has_rdma()
+
+
+def test_the_copy_kernel_line_says_which_path_copies_and_how_to_get_the_fast_one() -> None:
+    """``copy kernel``: ok with the native kernel (AVX2 or portable C), a warning naming the
+    fix without it (kvpool installed where no C compiler was)."""
+    from kvpool.cli.inspect_doctor import _copy_kernel
+
+    assert _copy_kernel("avx2").status == _copy_kernel("scalar").status == "ok"
+    missing = _copy_kernel(None)
+    assert missing.status == "warn" and "gcc" in missing.fix and "dev.sh setup" in missing.fix
