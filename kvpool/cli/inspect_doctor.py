@@ -30,12 +30,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvpool.core.checksum import native_kernel
-
 from rich.table import Table
 
 from kvpool.cli.inspect import address_of, open_admin
 from kvpool.cli.inspect_render import human_bytes, make_console
+from kvpool.core.checksum import native_kernel
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError
 from kvpool.storage.arena import HugePageRoom

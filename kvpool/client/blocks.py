@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.arena_map import PutWindow
-from kvpool.core.checksum import checksum_rows, copy_checksum_rows
+from kvpool.core.checksum import STREAM_MIN_BYTES, checksum_rows, copy_checksum_rows
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.spec import KVSpec
 
@@ -141,26 +141,29 @@ def write_rows(
     window, ``SharedArena.put_window``); return each slot's checksum, computed in the same
     pass as its copy (module docstring). Adjacent slots of adjacent rows are one copy."""
     block_bytes = rows.shape[1]
+    stream = len(offsets) * block_bytes >= STREAM_MIN_BYTES
     checksums: list[int] = []
     for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
         offset, index = offsets[first], indices[first]
         target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
-        checksums.extend(copy_checksum_rows(target, rows[index : index + count]))
+        checksums.extend(copy_checksum_rows(target, rows[index : index + count], stream=stream))
     return checksums
 
 
 def read_rows(arena: np.ndarray, dst: np.ndarray, offsets: Sequence[int], checksums: Sequence[int], source: str) -> int:
     """Copy arena blocks into dst rows and verify each; return how many leading rows are good.
 
-    The copy and the check are one pass (``copy_checksum_rows``); adjacent blocks are
-    copied together. A row that fails its checksum and every row after it are treated as
-    misses: the caller recomputes them. Nothing after a bad row is trusted or reported as read.
+    The copy and the check are one pass (``copy_checksum_rows``; a batch larger than the
+    cache is stored past it); adjacent blocks are copied together. A row that fails its
+    checksum and every row after it are treated as misses: the caller recomputes them.
+    Nothing after a bad row is trusted or reported as read.
     """
     block_bytes = dst.shape[1]
+    stream = len(offsets) * block_bytes >= STREAM_MIN_BYTES
     for first, count in adjacent_runs(offsets, range(len(offsets)), block_bytes):
         offset = offsets[first]
         source_rows = arena[offset : offset + count * block_bytes].reshape(count, block_bytes)
-        got = copy_checksum_rows(dst[first : first + count], source_rows)
+        got = copy_checksum_rows(dst[first : first + count], source_rows, stream=stream)
         for k, digest in enumerate(got):
             if digest != checksums[first + k]:
                 i = first + k

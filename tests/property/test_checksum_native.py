@@ -50,13 +50,25 @@ def test_the_native_kernel_is_built_and_picked_by_the_cpu() -> None:
         assert native_kernel() == "avx2"
 
 
+def _aligned(nbytes: int, skew: int) -> np.ndarray:
+    """Zeroed bytes starting ``skew`` bytes past a 64-byte boundary."""
+    raw = np.zeros(nbytes + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + skew
+    return raw[start : start + nbytes]
+
+
 @pytest.mark.parametrize("block_bytes", EDGES)
-@pytest.mark.parametrize("scalar", [False, True])
-def test_both_kernels_copy_and_hash_at_every_edge(block_bytes: int, scalar: bool) -> None:
+@pytest.mark.parametrize(
+    ("scalar", "stream", "dst_skew"),
+    [(False, False, 0), (True, False, 0), (False, True, 0), (False, True, 16), (False, True, 1), (True, True, 0)],
+)
+def test_both_kernels_copy_and_hash_at_every_edge(block_bytes: int, scalar: bool, stream: bool, dst_skew: int) -> None:
+    """Plain and streamed stores (taken only where dst is 32-byte aligned: the skews check
+    the fallback), the AVX2 and the portable kernel: one copy, one digest."""
     assert native is not None, NOT_BUILT
     src = _rows(3, block_bytes, block_bytes, skew=block_bytes % 7)
-    dst = np.zeros((3, block_bytes), dtype=np.uint8)
-    assert native.copy_blocks(dst, src, block_bytes, scalar) == _want(src)
+    dst = _aligned(3 * block_bytes, dst_skew).reshape(3, block_bytes)
+    assert native.copy_blocks(dst, src, block_bytes, scalar, stream) == _want(src)
     assert np.array_equal(dst, src)
     assert native.hash_blocks(src, block_bytes, scalar) == _want(src)
 
@@ -69,13 +81,14 @@ def test_both_kernels_copy_and_hash_at_every_edge(block_bytes: int, scalar: bool
     dst_skew=st.integers(0, 63),
     seed=st.integers(0, 2**32 - 1),
     portable=st.booleans(),
+    stream=st.booleans(),
 )
 def test_copy_checksum_rows_is_a_copy_and_the_one_shot_digest(
-    block_bytes: int, n: int, src_skew: int, dst_skew: int, seed: int, portable: bool
+    block_bytes: int, n: int, src_skew: int, dst_skew: int, seed: int, portable: bool, stream: bool
 ) -> None:
     src = _rows(n, block_bytes, seed, src_skew)
-    dst = np.zeros(n * block_bytes + dst_skew, dtype=np.uint8)[dst_skew:].reshape(n, block_bytes)
-    assert copy_checksum_rows(dst, src, portable=portable) == _want(src)
+    dst = _aligned(n * block_bytes, dst_skew).reshape(n, block_bytes)
+    assert copy_checksum_rows(dst, src, portable=portable, stream=stream) == _want(src)
     assert np.array_equal(dst, src)
     assert checksum_rows(src) == _want(src)
     if n:
