@@ -248,3 +248,11 @@ def three_nodes(tmp_path: pathlib.Path) -> Iterator[tuple[str, list[str]]]:
         directory = cluster.start_directory(etcd=False)
         nodes = [cluster.start_node(name, [directory.address], etcd=False) for name in ("node-a", "node-b", "node-c")]
         yield directory.address, [n.address for n in nodes]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The real-vLLM files first (minutes each: engines start slowly on a CPU). Under
+    pytest-xdist (``tools/dev.sh test`` runs ``-n 3 --dist loadfile``) each starts on a worker
+    of its own at once instead of last, where it would be the whole run's tail; the other
+    files fill the workers around them. A stable sort: every other order is kept."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("vllm") else 1)
