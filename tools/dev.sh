@@ -57,7 +57,11 @@ case "$cmd" in
         ;;
     test)
         setup
-        exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+        # files on KVPOOL_TEST_WORKERS workers (3: most tests wait on the processes they start,
+        # so 3 keep 2 cores busy), each file on one worker (its module fixtures start once), in
+        # the order collected (tests/conftest.py puts the real-vLLM files, minutes each, first)
+        exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
+            -n "${KVPOOL_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
         ;;
     bench)
         setup
