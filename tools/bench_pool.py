@@ -385,10 +385,11 @@ def main() -> int:
                 lookup = bench_lookup(address, 300) if not extra else None
             print_sizes(title, rows)
             fixed = {name: fixed_cost_us(rows, name) for name in ("get_into", "put", "shm_read")}
-            print(
-                "per-block fixed cost, 16 KiB-2 MiB (line fit): "
-                + ", ".join(f"{name} {us:.1f} us" for name, us in fixed.items())
-            )
+            if any(us == us for us in fixed.values()):  # nan: fewer than two sizes up to 2 MiB
+                print(
+                    "per-block fixed cost, 16 KiB-2 MiB (line fit): "
+                    + ", ".join(f"{name} {us:.1f} us" for name, us in fixed.items())
+                )
             if clients:
                 print(
                     f"{clients['workers']} clients x {clients['block_bytes'] // MiB} MiB blocks: aggregate get_into "

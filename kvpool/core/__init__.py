@@ -1,4 +1,5 @@
-"""Core types: keys, hashing, KVSpec, errors, config types, clock. stdlib + numpy + xxhash only."""
+"""Core types: keys, hashing, KVSpec, errors, config types, clock. stdlib + numpy + xxhash only
+(plus the optional C kernel of checksum.py)."""
 
 from kvpool.core.checksum import checksum64
 from kvpool.core.clock import Clock, FakeClock, MonotonicClock
