@@ -375,11 +375,20 @@ class PoolClient:
         """Lease the leading cached blocks of ``hashes`` and hand them to ``use`` straight from
         the arena, verified (``kvpool.client.blocks.BlockUse``): an engine scatters them into
         its pages with no staging buffer. Returns how many leading blocks were verified and
-        given to ``use``; a bad block is reported to the node and it and later ones are misses."""
+        given to ``use``; a bad block is reported to the node and it and later ones are misses.
+
+        The bytes are verified before ``use`` reads them, so they are the verified ones only
+        while the lease holds them in place: a read that outlives its lease (``use`` stalled
+        past the daemon's ``lease_ttl_ms``) returns 0, whatever ``use`` saw, and the caller
+        recomputes (the slot may have been reused by then)."""
         if not hashes:
             return 0
         block_bytes, source = self.spec.block_bytes, f"node {self.node_id}"
-        return self._leased(hashes, lambda r, view: use_rows(view, block_bytes, r.offsets, r.checksums, use, source))
+        return self._leased(
+            hashes,
+            lambda r, view: use_rows(view, block_bytes, r.offsets, r.checksums, use, source),
+            outlived_lease_is_miss=True,
+        )
 
     def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
         """Read the leading cached blocks of ``hashes`` into ``out`` ([>= n, *block_shape]).
@@ -393,9 +402,18 @@ class PoolClient:
         source = f"node {self.node_id}"
         return self._leased(hashes, lambda r, view: read_rows(view, rows, r.offsets, r.checksums, source))
 
-    def _leased(self, hashes: Sequence[bytes], read: Callable[[pool_pb2.LeaseReply, np.ndarray], int]) -> int:
+    def _leased(
+        self,
+        hashes: Sequence[bytes],
+        read: Callable[[pool_pb2.LeaseReply, np.ndarray], int],
+        outlived_lease_is_miss: bool = False,
+    ) -> int:
         """Lease, ``read`` through the arena view (returns the leading verified blocks),
-        release later, report a bad block."""
+        release later, report a bad block. ``outlived_lease_is_miss``: a read that took
+        longer than the lease (timed from before the Lease call, so never shorter than the
+        daemon's own count) is all misses (``read_with``: its bytes were verified before the
+        reader used them)."""
+        started = time.monotonic()
         reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
         if reply.lease_id == 0:
             return 0
@@ -407,6 +425,16 @@ class PoolClient:
             self._release_later(int(reply.lease_id))
         if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node
             self.report_corrupt([hashes[good]])
+        took_ms = (time.monotonic() - started) * 1000
+        if outlived_lease_is_miss and good and took_ms >= reply.expires_in_ms:
+            log.warning(
+                "a read of %d leased blocks took %.0f ms, past its %d ms lease: treated as misses "
+                "(their slots may have been reused before they were used)",
+                good,
+                took_ms,
+                reply.expires_in_ms,
+            )
+            return 0
         return good
 
     def report_corrupt(self, hashes: Sequence[bytes]) -> int:

@@ -6,6 +6,8 @@ nothing behind."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import DaemonHandle, writable_arena
@@ -124,3 +126,22 @@ def test_in_place_and_copying_paths_store_the_same_bytes(
         seen = np.zeros_like(data)
         assert client.read_with(hashes, lambda f, c, rows: seen.__setitem__(slice(f, f + c), rows)) == 8
         assert seen.tobytes() == client.get(hashes).view(np.uint8).reshape(8, -1).tobytes() == data.tobytes()
+
+
+def test_a_read_with_that_outlives_its_lease_is_all_misses(daemon_factory: object) -> None:
+    """``read_with`` verifies the leased bytes and then lets ``use`` read them: they are the
+    verified bytes only while the lease holds the slots. A ``use`` that stalls past the
+    daemon's lease (``--lease-ttl-ms 1500`` here) gets its read counted as 0 blocks, so the
+    engine recomputes them; the same read within the lease is served."""
+    daemon = daemon_factory("--lease-ttl-ms", "1500")  # type: ignore[operator]
+    data = rows_of(4, seed=7)
+    with PoolClient.connect(daemon.address, SPEC, salt=b"lease") as client:
+        hashes = client.hashes(TOKENS[: 4 * 16])
+        client.put(hashes, data.view(np.float16).reshape(4, *SPEC.block_shape))
+        assert client.read_with(hashes, lambda first, count, rows: None) == 4
+
+        def stall(first: int, count: int, rows: np.ndarray) -> None:
+            time.sleep(2.0)  # the stall under test: longer than the 1,500 ms lease
+
+        assert client.read_with(hashes, stall) == 0
+        assert client.read_with(hashes, lambda first, count, rows: None) == 4  # nothing was dropped
