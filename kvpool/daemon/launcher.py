@@ -19,7 +19,6 @@ One implementation for everything that starts a local cluster: ``kvpool cluster 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -128,23 +127,33 @@ class Proc:
         return {"name": self.name, "pid": self.popen.pid, "address": self.address, "log": self.log_path, **self.extra}
 
 
-def _child_setup(cpus: Sequence[int] | None, die_with_parent: bool) -> Callable[[], None] | None:
-    """The ``preexec_fn`` of a child: its CPU set, and SIGTERM when the parent dies."""
+#: ``python -S -c _CHILD_SHIM PARENT_PID CPUS PROGRAM ARGS...``: the child sets its own CPU set
+#: and, with a parent pid, SIGTERM on that parent's death (``PR_SET_PDEATHSIG``, kept across
+#: ``execve``; a parent that died before the call is caught by the ``getppid`` check), then
+#: becomes PROGRAM. Not a ``preexec_fn``: that runs Python between fork and exec in a child of
+#: a threaded parent (the supervisor's gRPC probes), where a lock another thread held at the
+#: fork can never be released (seen in CI: a node whose log stayed empty for the 120 s of its
+#: start). The shim is a fresh interpreter without ``site``: ~15 ms per child.
+_CHILD_SHIM = """
+import os, sys
+parent, cpus, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+if cpus:
+    os.sched_setaffinity(0, {int(c) for c in cpus.split(',')})
+if parent and sys.platform.startswith('linux'):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    if os.getppid() != parent:
+        sys.exit(1)
+os.execvp(argv[0], argv)
+"""
+
+
+def _child_argv(argv: Sequence[str], cpus: Sequence[int] | None, die_with_parent: bool) -> list[str]:
+    """``argv`` behind ``_CHILD_SHIM`` when the child needs a CPU set or to die with its parent."""
     if not cpus and not die_with_parent:
-        return None
-    # Everything the child calls is looked up here, before the fork: a child of a threaded
-    # parent must not import or allocate much before exec.
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if die_with_parent and sys.platform.startswith("linux") else None
-    cpu_set = set(cpus or ())
-    pr_set_pdeathsig = 1
-
-    def setup() -> None:
-        if cpu_set:
-            os.sched_setaffinity(0, cpu_set)
-        if prctl is not None:
-            prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-    return setup
+        return list(argv)
+    parent = os.getpid() if die_with_parent else 0
+    return [sys.executable, "-S", "-c", _CHILD_SHIM, str(parent), ",".join(map(str, cpus or ())), *argv]
 
 
 class LocalCluster:
@@ -187,11 +196,10 @@ class LocalCluster:
         log_path = os.path.join(self.workdir, f"{name}.log")
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                list(argv),
+                _child_argv(argv, cpus, self.die_with_parent),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**self.env, **(env or {})},
-                preexec_fn=_child_setup(cpus, self.die_with_parent),
                 # a terminal's Ctrl-C reaches the supervisor alone, which stops children in order
                 process_group=0 if self.die_with_parent else None,
             )
