@@ -11,6 +11,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,12 +38,17 @@ def _own_terminal() -> None:
 
 
 def start_top(*target: str) -> tuple[subprocess.Popen[bytes], int]:
-    """``kvpool top`` with ``target`` (``--address A`` or ``--directory D``) on a new pty."""
+    """``kvpool top`` with ``target`` (``--address A`` or ``--directory D``) on a new pty.
+    util-linux's ``setsid --ctty`` does ``_own_terminal`` in the child where it exists: a
+    ``preexec_fn`` runs Python between fork and exec in a child of this threaded process."""
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {"COLUMNS": "160", "LINES": "50"}
+    argv = [sys.executable, "-m", "kvpool.cli.main", "top", *target, "--interval-s", "0.2"]
+    setsid = shutil.which("setsid")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "top", *target, "--interval-s", "0.2"],
-        cwd=REPO_ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=_own_terminal,
+        [setsid, "--ctty", *argv] if setsid else argv,
+        cwd=REPO_ROOT, stdin=slave, stdout=slave, stderr=slave, env=env,
+        preexec_fn=None if setsid else _own_terminal,
     )  # fmt: skip
     os.close(slave)
     return proc, master
