@@ -127,15 +127,19 @@ class Proc:
         return {"name": self.name, "pid": self.popen.pid, "address": self.address, "log": self.log_path, **self.extra}
 
 
-#: ``python -S -c _CHILD_SHIM PARENT_PID CPUS PROGRAM ARGS...``: the child sets its own CPU set
+#: ``python -I -S -c _CHILD_SHIM PARENT_PID CPUS PROGRAM ARGS...``: the child sets its own CPU set
 #: and, with a parent pid, SIGTERM on that parent's death (``PR_SET_PDEATHSIG``, kept across
 #: ``execve``; a parent that died before the call is caught by the ``getppid`` check), then
 #: becomes PROGRAM. Not a ``preexec_fn``: that runs Python between fork and exec in a child of
 #: a threaded parent (the supervisor's gRPC probes), where a lock another thread held at the
 #: fork can never be released (seen in CI: a node whose log stayed empty for the 120 s of its
-#: start). The shim is a fresh interpreter without ``site``: ~15 ms per child.
+#: start). The shim is a fresh isolated interpreter without ``site``: ~15 ms per child; it
+#: gives SIGPIPE and SIGXFSZ back their default action before the exec (the interpreter sets
+#: them to ignored, and an ignored signal stays ignored across ``execve``).
 _CHILD_SHIM = """
-import os, sys
+import os, signal, sys
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 parent, cpus, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 if cpus:
     os.sched_setaffinity(0, {int(c) for c in cpus.split(',')})
@@ -153,7 +157,7 @@ def _child_argv(argv: Sequence[str], cpus: Sequence[int] | None, die_with_parent
     if not cpus and not die_with_parent:
         return list(argv)
     parent = os.getpid() if die_with_parent else 0
-    return [sys.executable, "-S", "-c", _CHILD_SHIM, str(parent), ",".join(map(str, cpus or ())), *argv]
+    return [sys.executable, "-I", "-S", "-c", _CHILD_SHIM, str(parent), ",".join(map(str, cpus or ())), *argv]
 
 
 class LocalCluster:

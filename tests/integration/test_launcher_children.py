@@ -18,12 +18,14 @@ import pytest
 from kvpool.daemon import launcher
 
 SUPERVISOR = """
-import sys, threading, time
+import os, sys, threading, time
 from kvpool.daemon.launcher import LocalCluster
 # a threaded parent, as the real supervisor is (its gRPC probes): the case preexec_fn got wrong
 threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
 cluster = LocalCluster(sys.argv[1], die_with_parent=True)
-proc = cluster.spawn("child", [sys.executable, "-c", "import time; time.sleep(120)"], "", cpus=[0])
+cpu = min(os.sched_getaffinity(0))
+# not Python: an interpreter sets SIGPIPE to ignored itself, which would hide the shim's
+proc = cluster.spawn("child", ["sleep", "120"], "", cpus=[cpu])
 print(proc.popen.pid, flush=True)
 time.sleep(120)
 """
@@ -48,11 +50,18 @@ def test_a_child_is_pinned_execs_its_program_and_dies_with_its_supervisor(tmp_pa
         cmdline = b""
         while time.monotonic() < deadline:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if cmdline.split(b"\0")[1:3] == [b"-c", b"import time; time.sleep(120)"]:
+            if cmdline.split(b"\0")[:2] == [b"sleep", b"120"]:
                 break  # the shim has exec'd the program itself
             time.sleep(0.05)
-        assert cmdline.split(b"\0")[1:3] == [b"-c", b"import time; time.sleep(120)"], cmdline
-        assert os.sched_getaffinity(child) == {0}
+        assert cmdline.split(b"\0")[:2] == [b"sleep", b"120"], cmdline
+        assert os.sched_getaffinity(child) == {min(os.sched_getaffinity(0))}
+        ignored = int(
+            next(
+                line for line in Path(f"/proc/{child}/status").read_text().splitlines() if line.startswith("SigIgn:")
+            ).split()[1],
+            16,
+        )
+        assert not ignored & (1 << (signal.SIGPIPE - 1)), "the shim left SIGPIPE ignored for the program"
         supervisor.send_signal(signal.SIGKILL)
         supervisor.wait(10)
         while time.monotonic() < deadline and _state(child) not in ("", "Z"):
@@ -82,5 +91,5 @@ def test_children_are_started_without_a_preexec_fn(monkeypatch: pytest.MonkeyPat
     launcher.LocalCluster(str(tmp_path)).spawn("b", ["prog", "y"], "")
     assert all(call.get("preexec_fn") is None for call in seen)
     shimmed, plain = seen[0]["argv"], seen[1]["argv"]
-    assert shimmed[-2:] == ["prog", "x"] and shimmed[4:6] == [str(os.getpid()), "0,1"]  # type: ignore[index]
+    assert shimmed[-2:] == ["prog", "x"] and shimmed[5:7] == [str(os.getpid()), "0,1"]  # type: ignore[index]
     assert plain == ["prog", "y"]
