@@ -227,6 +227,7 @@ class PoolClient:
         self._arena: ArenaMapping | None = None  # mapped read-only; puts write through windows
         self._pending_releases: list[int] = []
         self._lock = threading.Lock()
+        self._hello_lock = threading.Lock()
         self.node_id = ""
         self.data_ticket = NO_TICKET
         self.max_batch_blocks = 0
@@ -272,8 +273,9 @@ class PoolClient:
         raise AssertionError("unreachable")
 
     def _hello(self) -> None:
-        reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
-        self._arena = attach_arena(self._arena, reply, self.spec, self._token)
+        with self._hello_lock:  # two threads re-registering at once must not both map the arena
+            reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
+            self._arena = attach_arena(self._arena, reply, self.spec, self._token)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
         #: this client's ticket for the node's data plane (``kvpool.client.tickets``; reads over TCP/UCX)
@@ -419,13 +421,21 @@ class PoolClient:
             return 0
         try:
             arena = self._mapping()
-            arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
-            good = read(reply, arena.view)
+            try:
+                arena.ensure(reply.offsets, reply.segment_generations)  # per tenant: map new segments
+                good = read(reply, arena.view)
+            except Exception:
+                if arena.closed:  # a re-Hello on another thread replaced the mapping under this read
+                    raise Unavailable(
+                        f"the arena of {self.address} was mapped again during this read (the daemon restarted)",
+                        hint="read again",
+                    ) from None
+                raise
         finally:
             self._release_later(int(reply.lease_id))
+        took_ms = (time.monotonic() - started) * 1000
         if good < len(reply.offsets):  # block ``good`` failed its checksum: tell the node
             self.report_corrupt([hashes[good]])
-        took_ms = (time.monotonic() - started) * 1000
         if outlived_lease_is_miss and good and took_ms >= reply.expires_in_ms:
             log.warning(
                 "a read of %d leased blocks took %.0f ms, past its %d ms lease: treated as misses "

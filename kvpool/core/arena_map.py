@@ -44,6 +44,11 @@ class ArenaMapping:
         self.page_bytes = blksize if blksize > mmap.PAGESIZE and blksize & (blksize - 1) == 0 else mmap.PAGESIZE
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (a client that reconnected to a restarted daemon replaced it)."""
+        return self._fd < 0
+
+    @property
     def huge_pages(self) -> bool:
         """Whether the arena is on huge pages (``page_bytes`` above the base page size)."""
         return self.page_bytes > mmap.PAGESIZE

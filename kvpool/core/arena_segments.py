@@ -128,6 +128,10 @@ class SegmentedMapping(ArenaMapping):
     def fd(self) -> int:
         raise InvalidArgument("a per-tenant arena mapping has no single descriptor")
 
+    @property
+    def closed(self) -> bool:
+        return not hasattr(self, "_reservation")
+
     def close(self) -> None:
         if not hasattr(self, "_reservation"):
             return

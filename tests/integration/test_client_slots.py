@@ -131,9 +131,9 @@ def test_in_place_and_copying_paths_store_the_same_bytes(
 def test_a_read_with_that_outlives_its_lease_is_all_misses(daemon_factory: object) -> None:
     """``read_with`` verifies the leased bytes and then lets ``use`` read them: they are the
     verified bytes only while the lease holds the slots. A ``use`` that stalls past the
-    daemon's lease (``--lease-ttl-ms 1500`` here) gets its read counted as 0 blocks, so the
+    daemon's lease (``--lease-ttl-ms 4000`` here) gets its read counted as 0 blocks, so the
     engine recomputes them; the same read within the lease is served."""
-    daemon = daemon_factory("--lease-ttl-ms", "1500")  # type: ignore[operator]
+    daemon = daemon_factory("--lease-ttl-ms", "4000")  # type: ignore[operator]
     data = rows_of(4, seed=7)
     with PoolClient.connect(daemon.address, SPEC, salt=b"lease") as client:
         hashes = client.hashes(TOKENS[: 4 * 16])
@@ -141,7 +141,30 @@ def test_a_read_with_that_outlives_its_lease_is_all_misses(daemon_factory: objec
         assert client.read_with(hashes, lambda first, count, rows: None) == 4
 
         def stall(first: int, count: int, rows: np.ndarray) -> None:
-            time.sleep(2.0)  # the stall under test: longer than the 1,500 ms lease
+            time.sleep(4.5)  # the stall under test: longer than the 4,000 ms lease
 
         assert client.read_with(hashes, stall) == 0
         assert client.read_with(hashes, lambda first, count, rows: None) == 4  # nothing was dropped
+
+
+def test_a_mapping_replaced_during_a_read_is_unavailable_not_a_stray_error(pool_daemon: DaemonHandle) -> None:
+    """A re-Hello on another thread (the daemon restarted) closes the mapping a read is
+    about to use: the read raises the typed ``Unavailable`` (an engine connector counts it
+    as a miss), not the ``ValueError`` of an emptied view."""
+    from kvpool.core.errors import Unavailable
+
+    data = rows_of(2, seed=9)
+    with PoolClient.connect(pool_daemon.address, SPEC, salt=b"remap") as client:
+        hashes = client.hashes(TOKENS[: 2 * 16])
+        client.put(hashes, data.view(np.float16).reshape(2, *SPEC.block_shape))
+        mapping = client._arena
+        assert mapping is not None
+        real_ensure = mapping.ensure
+
+        def ensure_then_remapped(*args: object, **kwargs: object) -> None:
+            real_ensure(*args, **kwargs)  # type: ignore[arg-type]
+            mapping.close()  # what attach_arena does to the old mapping on a re-Hello
+
+        mapping.ensure = ensure_then_remapped  # type: ignore[method-assign]
+        with pytest.raises(Unavailable, match="mapped again during this read"):
+            client.get_into(hashes, np.zeros((2, *SPEC.block_shape), dtype=np.float16))
