@@ -117,6 +117,10 @@ static void init_accs(uint64_t acc[8]) {
 static inline void accumulate_512_scalar(uint64_t acc[8], const uint8_t *in, uint8_t *out, const uint8_t *secret) {
     uint64_t lanes[8];
     memcpy(lanes, in, STRIPE_LEN);
+    /* the store and the hash below must use these loaded lanes: without the barrier a
+     * compiler may copy straight from ``in`` and reload it for the hash, and a source that
+     * changes meanwhile would give a digest of bytes that are not the ones stored */
+    __asm__ volatile("" : "+m"(lanes));
     if (out != NULL) {
         memcpy(out, lanes, STRIPE_LEN);
     }

@@ -68,8 +68,14 @@ def checksum64(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def _check_rows(rows: np.ndarray, what: str) -> None:
+    if rows.ndim != 2 or rows.itemsize != 1:
+        raise ValueError(f"{what} must be [n, block_bytes] bytes (uint8), not {rows.dtype} {rows.shape}")
+
+
 def checksum_rows(rows: np.ndarray) -> list[int]:
     """xxh3-64 of each row of a C-contiguous uint8 array ``[n, block_bytes]``."""
+    _check_rows(rows, "rows")
     n, block_bytes = rows.shape
     if n == 0:
         return []
@@ -84,6 +90,8 @@ def copy_checksum_rows(dst: np.ndarray, src: np.ndarray, portable: bool = False,
     ``stream``: store past the cache (a batch of ``STREAM_MIN_BYTES`` or more; the native AVX2
     kernel does it where ``dst`` is 32-byte aligned). ``portable`` forces the numpy + xxhash
     path (tests hold both to one digest)."""
+    _check_rows(src, "src")
+    _check_rows(dst, "dst")
     n, block_bytes = src.shape
     if dst.shape != src.shape:
         raise ValueError(f"copy of {src.shape} rows into {dst.shape}")
