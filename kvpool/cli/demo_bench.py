@@ -60,6 +60,19 @@ KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # reference model: 2 x layers x kv_head
 REQUEST_TIMEOUT_S = 600.0
 
 
+def _positive(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number above 0 (a rate or a count of 0 would divide by zero)."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("kvpool demo bench")
     g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
@@ -70,21 +83,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="Mooncake-format conversation trace (JSONL; default: ../shared/data/conversation_trace.jsonl "
         "beside the checkout, else the 2,000-request head that ships with kvpool)",
     )
-    g.add_argument("--conversations", type=int, default=12, help="conversations taken from the trace")
-    g.add_argument("--max-output-tokens", type=int, default=24, help="cap on scaled output lengths")
-    g.add_argument("--requests", type=int, default=200, help="mixed workload: requests")
-    g.add_argument("--long-tokens", type=int, default=768, help="mixed workload: long prompt length")
-    g.add_argument("--long-every", type=int, default=3, help="mixed workload: one long prompt in this many")
+    g.add_argument("--conversations", type=_positive(int), default=12, help="conversations taken from the trace")
+    g.add_argument("--max-output-tokens", type=_positive(int), default=24, help="cap on scaled output lengths")
+    g.add_argument("--requests", type=_positive(int), default=200, help="mixed workload: requests")
+    g.add_argument("--long-tokens", type=_positive(int), default=768, help="mixed workload: long prompt length")
+    g.add_argument("--long-every", type=_positive(int), default=3, help="mixed workload: one long prompt in this many")
     g.add_argument(
         "--mixed-rate",
-        type=float,
+        type=_positive(float),
         default=20.0,
         help="mixed workload: arrivals per second. Busy on purpose: a colocated engine stalls each of its "
         "decodes for one token gap per long prefill, so stalls reach a p99 of the token gaps only when long "
         "prompts per second per engine x the gap exceed 1 %% (docs/demo.md)",
     )
-    g.add_argument("--rate", type=float, default=2.0, help="conversation workload: arrivals per second")
-    g.add_argument("--chunk-tokens", type=int, default=128, help="chunk size of colocated-chunked")
+    g.add_argument("--rate", type=_positive(float), default=2.0, help="conversation workload: arrivals per second")
+    g.add_argument("--chunk-tokens", type=_positive(int), default=128, help="chunk size of colocated-chunked")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="", help="directory for results.json and the PNG plots (default: --workdir)")
 
