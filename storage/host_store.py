@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from kvpool.core.checksum import checksum64
+from kvpool.core.checksum import checksum64, checksum_at
 from kvpool.core.clock import Clock
 from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
@@ -405,10 +405,8 @@ class HostStore:
             self._verifying[put_id] = pending
         size = pending.block_bytes
         try:
-            matches = [
-                checksum64(self._buffer[offset : offset + size]) == checksum
-                for (_, _, offset), checksum in zip(pending.slots, checksums, strict=True)
-            ]
+            digests = checksum_at(self._buffer, [offset for _, _, offset in pending.slots], size)
+            matches = [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)]
         except BaseException:  # nothing is indexed: the put is aborted, its slots freed
             with self._lock:
                 del self._verifying[put_id]

@@ -19,6 +19,7 @@ and peer holds):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,22 @@ def checksum_rows(rows: np.ndarray) -> list[int]:
     if _native is not None and block_bytes >= _NATIVE_MIN_BYTES and rows.flags.c_contiguous:
         return _native.hash_blocks(rows, block_bytes)
     return [xxhash.xxh3_64_intdigest(rows[k]) for k in range(n)]
+
+
+def checksum_at(buffer: np.ndarray, offsets: Sequence[int], block_bytes: int) -> list[int]:
+    """xxh3-64 of the ``block_bytes``-byte blocks of the flat uint8 ``buffer`` at ``offsets``,
+    in their order; blocks that follow one another are hashed by one call (the daemon's
+    verification of a put's slots, which the allocator places side by side)."""
+    digests: list[int] = []
+    k = 0
+    while k < len(offsets):
+        start = int(offsets[k])
+        count = 1
+        while k + count < len(offsets) and int(offsets[k + count]) == start + count * block_bytes:
+            count += 1
+        digests.extend(checksum_rows(buffer[start : start + count * block_bytes].reshape(count, block_bytes)))
+        k += count
+    return digests
 
 
 def copy_checksum_rows(dst: np.ndarray, src: np.ndarray, portable: bool = False, stream: bool = False) -> list[int]:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.core import checksum as checksum_mod
-from kvpool.core.checksum import checksum64, checksum_rows, copy_checksum_rows, native_kernel
+from kvpool.core.checksum import checksum64, checksum_at, checksum_rows, copy_checksum_rows, native_kernel
 
 try:
     from kvpool.core import _xxh3copy as native
@@ -126,3 +126,26 @@ def test_bad_arguments_are_refused_and_change_nothing() -> None:
     with pytest.raises(ValueError, match="rows into"):
         copy_checksum_rows(dst.reshape(2, 300), src.reshape(3, 200))
     assert not dst.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_bytes=st.sampled_from([64, 241, 1000, 4096]),
+    order=st.permutations(list(range(6))),
+    gaps=st.lists(st.booleans(), min_size=6, max_size=6),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_checksum_at_hashes_each_block_in_the_order_asked(
+    block_bytes: int, order: list[int], gaps: list[bool], seed: int
+) -> None:
+    """Slots side by side (one call per run) or apart, asked in any order: one digest per
+    offset, each the xxh3-64 of that block."""
+    offsets, cursor = [], 0
+    for gap in gaps:
+        offsets.append(cursor)
+        cursor += block_bytes * (2 if gap else 1)
+    buffer = np.random.default_rng(seed).integers(0, 256, cursor, dtype=np.uint8)
+    asked = [offsets[i] for i in order]
+    want = [xxhash.xxh3_64_intdigest(buffer[o : o + block_bytes].tobytes()) for o in asked]
+    assert checksum_at(buffer, asked, block_bytes) == want
+    assert checksum_at(buffer, [], block_bytes) == []

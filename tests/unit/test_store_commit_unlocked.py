@@ -39,15 +39,15 @@ def test_lookups_and_puts_proceed_while_a_commit_verifies(monkeypatch: object) -
     assert store.put_commit(first_id, first_sums).committed == 1
     slow_id, slow_sums = put([2, 3])
     verifying, may_finish = threading.Event(), threading.Event()
-    real = host_store_module.checksum64
+    real = host_store_module.checksum_at
 
-    def held_checksum(data: object) -> int:
+    def held_checksum(*args: object) -> list[int]:
         if threading.current_thread().name == "slow-commit":
             verifying.set()
             assert may_finish.wait(30)
-        return real(data)
+        return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(host_store_module, "checksum64", held_checksum)  # type: ignore[attr-defined]
+    monkeypatch.setattr(host_store_module, "checksum_at", held_checksum)  # type: ignore[attr-defined]
     results: list[int] = []
     slow = threading.Thread(
         target=lambda: results.append(store.put_commit(slow_id, slow_sums).committed), name="slow-commit"
