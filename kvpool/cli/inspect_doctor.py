@@ -252,6 +252,9 @@ def _copy_kernel(kernel: str | None) -> Check:
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
+    # probing NIXL's backends starts the ones that cannot run here (OBJ, GDS, ...): their C++
+    # errors would land on the terminal above the table, which already says what failed and why
+    os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
     config_check, config = _config(args)
     daemon_check, stats = _daemon(args)
     running = stats is not None
