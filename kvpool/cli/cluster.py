@@ -25,6 +25,10 @@ from pathlib import Path
 
 STATE_NAME = "cluster.json"
 BACKGROUND_START_TIMEOUT_S = 120.0
+#: how long a background supervisor that did not get ready has to stop its children after
+#: SIGTERM before it is SIGKILLed (its children then get SIGTERM from the kernel: they run
+#: with PR_SET_PDEATHSIG, kvpool/daemon/launcher.py)
+UNREADY_STOP_GRACE_S = 15.0
 
 
 def default_workdir() -> str:
@@ -122,6 +126,18 @@ def _up(args: argparse.Namespace, workdir: str) -> int:
     return status
 
 
+def _stop_unready(child: subprocess.Popen[bytes]) -> None:
+    """Stop a background supervisor that never got ready: SIGTERM (it stops its children in
+    order), then SIGKILL if it has not exited by ``UNREADY_STOP_GRACE_S`` (a supervisor stuck
+    where no signal handler runs: seen once, blocked in a fork; its children die with it)."""
+    child.terminate()
+    try:
+        child.wait(UNREADY_STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(5)
+
+
 def _up_background(args: argparse.Namespace, workdir: str) -> int:
     from kvpool.core.errors import Unavailable
     from kvpool.daemon.launcher import log_tail
@@ -153,7 +169,7 @@ def _up_background(args: argparse.Namespace, workdir: str) -> int:
         except Exception:
             pass  # not written yet (or the previous cluster's)
         if time.monotonic() > deadline:
-            child.terminate()
+            _stop_unready(child)
             raise Unavailable(f"the cluster did not start within {BACKGROUND_START_TIMEOUT_S} s; see {log_path}")
         time.sleep(0.1)
     _print_addresses(record.info, args.json)
