@@ -40,6 +40,8 @@ transition above is a method whose lock scope can be read in one place.
 from __future__ import annotations
 
 import itertools
+import os
+import random
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -131,6 +133,8 @@ class HostStore:
         self._tenant_of: dict[bytes, tuple[str, int]] = {}
         self._tenant_bytes: dict[str, int] = {}
         self.stats = StoreStats()
+        # which blocks of a same-host put are re-checksummed at commit (``put_commit``)
+        self._sampler = random.Random(os.urandom(16))
 
     # -- reads ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -308,14 +312,27 @@ class HostStore:
             return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
 
     @checked_after
-    def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
-        """Verify each written block against its checksum and make the good ones visible.
+    def put_commit(self, put_id: int, checksums: Sequence[int], verify_one_in: int = 1) -> CommitResult:
+        """Verify the written blocks against their checksums and make the good ones visible.
+
+        ``verify_one_in``: 1 (the default, for bytes that crossed a wire or came from
+        anywhere this store cannot vouch for) re-checksums every block. N > 1 is for a
+        same-host client that checksummed each block's source in the pass that copied it
+        (``kvpool.client.blocks``): one block in N, at least one per put, chosen at random,
+        and the whole put once any of those fails. Every reader verifies every block it
+        reads (``get_into``, ``read_with``, the data plane, demotion to disk), so a block
+        that slips through is a miss and dropped on its first read, never wrong KV; the
+        sample catches a client whose writes are broken at its first put, for the cost of
+        a second pass over 1/N of the bytes (a full pass is a third of a put's time here:
+        docs/benchmarks.md).
 
         The checksums are computed outside the store lock, so puts of several clients
         verify at once and no lookup or lease waits behind a put's bytes: the put is taken
         out of the pending table first (nobody can reclaim, abort or write its slots then;
         its slots stay allocated and its keys stay "in flight"), then verified, then its
         good blocks are indexed under the lock."""
+        if verify_one_in < 1:
+            raise InvalidArgument(f"verify_one_in must be >= 1, not {verify_one_in}")
         with self._lock:
             pending = self._pending.pop(put_id, None)
             if pending is None:
@@ -329,10 +346,13 @@ class HostStore:
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
             self._verifying[put_id] = pending
+            count = len(pending.slots)
+            sample = None  # every block
+            if verify_one_in > 1:
+                sample = sorted(self._sampler.sample(range(count), -(-count // verify_one_in)))
         size = pending.block_bytes
         try:
-            digests = checksum_at(self._buffer, [offset for _, _, offset in pending.slots], size)
-            matches = [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)]
+            matches, checked = self._verify_written(pending, checksums, sample)
         except BaseException:  # nothing is indexed: the put is aborted, its slots freed
             with self._lock:
                 del self._verifying[put_id]
@@ -356,9 +376,28 @@ class HostStore:
             self.stats.puts += len(committed)
             self.stats.put_bytes += len(committed) * size
             self.stats.checksum_failures += len(failed)
+            self.stats.commit_checked_blocks += checked
             if committed:
                 self._emit(EventKind.STORED, committed, pending.namespace)
             return CommitResult(len(committed), failed)
+
+    def _verify_written(
+        self, pending: _PendingPut, checksums: Sequence[int], sample: list[int] | None
+    ) -> tuple[list[bool], int]:
+        """Per slot of ``pending``: whether its bytes match ``checksums``, and how many blocks
+        were checksummed (outside the lock). ``sample``: the slots to check (None: all); a
+        slot left out counts as matching, unless a sampled one fails (``put_commit``)."""
+        offsets = [offset for _, _, offset in pending.slots]
+        checked = 0
+        if sample is not None:
+            digests = checksum_at(self._buffer, [offsets[i] for i in sample], pending.block_bytes)
+            checked = len(sample)
+            if all(digests[j] == checksums[i] for j, i in enumerate(sample)):
+                return [True] * len(offsets), checked
+            # a sampled block is bad: this writer's bytes cannot be trusted, check them all
+        digests = checksum_at(self._buffer, offsets, pending.block_bytes)
+        matches = [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)]
+        return matches, checked + len(offsets)
 
     def _drop_put(self, pending: _PendingPut) -> None:
         """Forget a put taken out of ``_pending``: its keys, slots and bytes (lock held)."""

@@ -108,5 +108,6 @@ class StoreStats:
     evictions: int = 0
     removed: int = 0
     checksum_failures: int = 0
+    commit_checked_blocks: int = 0  # blocks re-checksummed at commit (all, or a same-host put's sample)
     expired_leases: int = 0
     reclaimed_puts: int = 0

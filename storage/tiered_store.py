@@ -282,8 +282,8 @@ class TieredStore:
         return grant
 
     @checked_after
-    def put_commit(self, put_id: int, checksums: Sequence[int]) -> CommitResult:
-        return self.host.put_commit(put_id, checksums)
+    def put_commit(self, put_id: int, checksums: Sequence[int], verify_one_in: int = 1) -> CommitResult:
+        return self.host.put_commit(put_id, checksums, verify_one_in)
 
     @checked_after
     def put_abort(self, put_id: int) -> None:
@@ -474,6 +474,7 @@ class TieredStore:
         # leading run of blocks of one namespace and size (one host put); no checksum pass
         # here: device.get and disk reads verify their private copies (a disk queue hit was
         # verified before it was queued), and put_commit verifies the bytes again in host
+        # (in full: the default for anything but a same-host client's put)
         good: list[DiskBlock] = []
         for block in blocks:
             if block is None:

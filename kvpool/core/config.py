@@ -30,6 +30,9 @@ class StoreConfig:
     max_leases: int = 100_000  # most read leases held at once
     max_pending_puts: int = 10_000  # most puts between start and commit at once
     max_pin_ttl_ms: int = 86_400_000  # longest soft pin (one day); renew to keep longer
+    # a same-host client's put is re-checksummed at commit in one block of N (at least one
+    # per put, all of it once one fails); readers verify every block: HostStore.put_commit
+    client_put_verify_one_in: int = 16
     # most bytes one namespace may hold in this tier (0 = no quota): a put past it evicts
     # that namespace's own least recently used blocks first, never another namespace's
     namespace_quota_bytes: int = 0
@@ -58,6 +61,7 @@ class StoreConfig:
             "max_leases",
             "max_pending_puts",
             "max_pin_ttl_ms",
+            "client_put_verify_one_in",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive")

@@ -175,6 +175,16 @@ OPTIONS: list[Option] = [
         int,
         "longest soft pin in ms (one day); renew a pin to keep it longer.",
     ),
+    Option(
+        "--client-put-verify-one-in",
+        "store.client_put_verify_one_in",
+        int,
+        "the daemon re-checksums one block in N of a same-host client's put at commit, chosen at "
+        "random (at least one per put; all of the put once one fails). The client checksums every "
+        "block in the pass that copies it and every reader verifies every block, so a bad block is "
+        "a miss, never wrong KV; 1 re-checks every block (a put's bytes read a second time: about a "
+        "third of its time). Blocks from peers and the disk are always checked in full.",
+    ),
     Option("--host-policy", "tiers.host_policy", str, "eviction policy of the host tier."),
     Option(
         "--disk-dir",

@@ -316,7 +316,9 @@ class PoolService(pool_pb2_grpc.PoolServicer):
     @gated(lambda r: request_cost(len(r.checksums)))
     def PutCommit(self, request: pool_pb2.PutCommitRequest, context: grpc.ServicerContext) -> pool_pb2.PutCommitReply:
         self._caller(context)
-        result = self.node.store.put_commit(request.put_id, list(request.checksums))
+        # a same-host client's put: it checksummed each block's source in the pass that copied it
+        verify_one_in = self.node.config.store.client_put_verify_one_in
+        result = self.node.store.put_commit(request.put_id, list(request.checksums), verify_one_in)
         if result.checksum_failed:
             log.warning(
                 "put %d: %d blocks failed their checksum at commit and were dropped",

@@ -341,7 +341,7 @@ def test_corrupted_block_is_a_miss_never_wrong_bytes(pool_daemon: DaemonHandle) 
         assert reader.get(hashes).shape[0] == 2
 
 
-def test_checksum_mismatch_at_commit_stores_nothing(pool_daemon: DaemonHandle) -> None:
+def test_checksum_mismatch_at_commit_is_never_served(pool_daemon: DaemonHandle) -> None:
     with PoolClient.connect(pool_daemon.address, SPEC) as client:
         hashes = client.hashes(TOKENS)[:2]
         ns = client.namespace.digest()
@@ -356,6 +356,10 @@ def test_checksum_mismatch_at_commit_stores_nothing(pool_daemon: DaemonHandle) -
             pool_daemon.address, "PutCommit",
             pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=[checksum64(blocks[0]), 12345]),
         )  # fmt: skip
-        assert done.committed == 1 and list(done.checksum_failed) == [1]
+        # one block in N of a same-host put is re-checked at commit, all of it once one fails:
+        # block 1 fails there, or is committed and fails its first read; never served, dropped
+        assert done.committed + len(done.checksum_failed) == 2
+        assert list(done.checksum_failed) in ([1], [])
+        assert client.get(hashes).tobytes() == blocks[:1].tobytes()
         assert client.lookup(hashes) == 1
         assert stats(pool_daemon.address)["checksum_failures"] == 1

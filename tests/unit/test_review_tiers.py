@@ -220,10 +220,10 @@ def test_remove_while_the_drain_moves_the_block_into_host(device_store: Store, h
             removed.append(s.store.remove([key(victim)]))
         return grant
 
-    def racing_commit(put_id, checksums):  # type: ignore[no-untyped-def]
+    def racing_commit(put_id, checksums, verify_one_in=1):  # type: ignore[no-untyped-def]
         if keys_of_put.get(put_id) == [key(victim)] and not removed:
             removed.append(s.store.remove([key(victim)]))
-        return original(put_id, checksums)
+        return original(put_id, checksums, verify_one_in)
 
     _leave_only_in_device(s, victim)
     host.put_start = tracking_start  # type: ignore[method-assign]
@@ -248,10 +248,10 @@ def test_remove_between_the_check_and_the_commit_of_a_promotion(disk_store: Stor
     removed: list[int] = []
     original = s.store.host.put_commit
 
-    def remove_then_commit(put_id, checksums):  # type: ignore[no-untyped-def]
+    def remove_then_commit(put_id, checksums, verify_one_in=1):  # type: ignore[no-untyped-def]
         if not removed:
             removed.append(s.store.remove([key(victim)]))
-        return original(put_id, checksums)
+        return original(put_id, checksums, verify_one_in)
 
     s.store.host.put_commit = remove_then_commit  # type: ignore[method-assign]
     s.hit([victim])
