@@ -3,15 +3,17 @@ nothing else (issue 10, item 3); the daemon-side ``SharedArena`` keeps its own v
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import signal
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.core.arena_map import ArenaMapping, PutWindow
+from kvpool.core.arena_map import ArenaMapping, ProtectedWindow, PutWindow, can_protect
 from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.storage.arena import SharedArena
 
@@ -94,3 +96,80 @@ def test_a_client_arena_is_read_only_and_needs_a_write_descriptor_for_a_window()
             client.close()
     finally:
         owner.close()
+
+
+def dies_writing(address: int) -> int:
+    """A raw one-byte write at ``address`` in a forked child: its exit signal (0 = it wrote)."""
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+        ctypes.memset(address, 0x5A, 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+
+
+def writable_bytes(fd: int) -> int:
+    return sum(hi - lo for lo, hi, perms in maps_of(fd) if "w" in perms)
+
+
+@pytest.mark.skipif(not can_protect(), reason="needs mprotect (Linux)")
+@settings(max_examples=40, deadline=None)
+@given(
+    pages=st.lists(st.sets(st.integers(0, 31), min_size=1, max_size=6), min_size=1, max_size=3),
+    length=st.integers(1, 2),
+)
+def test_whole_page_slots_open_only_their_pages_of_one_kept_mapping(pages: list[set[int]], length: int) -> None:
+    """Puts whose slots are whole pages open pages of one kept mapping (``ProtectedWindow``):
+    while open, exactly their pages are writable; closing one put's window leaves the
+    others' open; once all are closed nothing is writable and a raw write is a SIGSEGV."""
+    fd = memfd()
+    client = ArenaMapping(f"/proc/self/fd/{fd}", CAPACITY, os.dup(fd), mmap.mmap(fd, CAPACITY, prot=mmap.PROT_READ), fd)
+    try:
+        # disjoint slots per put (as the allocator gives them), `length` pages each
+        taken: set[int] = set()
+        puts: list[list[int]] = []
+        for wanted in pages:
+            slots = []
+            for p in sorted(wanted):
+                span = set(range(p, p + length))
+                if p + length <= CAPACITY // PAGE and not taken & span:
+                    taken.update(span)
+                    slots.append(p)
+            if slots:
+                puts.append([p * PAGE for p in slots])
+        windows = [client.put_window(offsets, length * PAGE) for offsets in puts]
+        assert all(isinstance(w, ProtectedWindow) for w in windows)
+        assert writable_bytes(fd) == len(taken) * PAGE
+        for i, (window, offsets) in enumerate(zip(windows, puts, strict=True)):
+            for off in offsets:
+                window[off : off + length * PAGE] = np.full(length * PAGE, i + 1, dtype=np.uint8)
+        first = windows.pop(0)
+        first.close()
+        assert writable_bytes(fd) == (len(taken) - len(puts[0]) * length) * PAGE
+        for window in windows:
+            window.close()
+        assert writable_bytes(fd) == 0
+        for i, offsets in enumerate(puts):
+            for off in offsets:
+                assert (client.view[off : off + length * PAGE] == i + 1).all()  # every byte landed
+        writer = client._writer
+        assert writer is not None
+        assert dies_writing(int(writer.view.ctypes.data) + puts[0][0]) == signal.SIGSEGV
+    finally:
+        client.close()  # closes both descriptors
+
+
+def test_slots_that_share_pages_get_a_window_of_their_own() -> None:
+    """A slot that does not start and end on a page edge may share a page with another
+    put's slot; it gets its own mapping (``PutWindow``), which closing unmaps."""
+    fd = memfd()
+    client = ArenaMapping(f"/proc/self/fd/{fd}", CAPACITY, os.dup(fd), mmap.mmap(fd, CAPACITY, prot=mmap.PROT_READ), fd)
+    try:
+        with client.put_window([PAGE + 16], PAGE) as window:
+            assert not isinstance(window, ProtectedWindow)
+            window[PAGE + 16 : 2 * PAGE + 16] = np.ones(PAGE, dtype=np.uint8)
+        assert client._writer is None and writable_bytes(fd) == 0
+        assert (client.view[PAGE + 16 : 2 * PAGE + 16] == 1).all()
+    finally:
+        client.close()  # closes both descriptors
