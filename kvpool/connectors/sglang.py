@@ -226,7 +226,11 @@ class HiCachePoolLogic:
                 else:
                     out[i] = page.clone()
 
-        load_blocks(self.pool, self.spec, self.dtype, self._hashes(keys), to_pages)
+        got = load_blocks(self.pool, self.spec, self.dtype, self._hashes(keys), to_pages)
+        # pages handed over past ``got`` are not hits: a read that outlived its lease counts
+        # as all misses although its runs were verified and copied (PoolClient.read_with)
+        for i in range(got, len(keys)):
+            out[i] = None
         return out
 
 

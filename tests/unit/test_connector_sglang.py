@@ -169,3 +169,21 @@ def test_glue_refuses_missing_revision_and_split_heads(monkeypatch: pytest.Monke
         config(extra_config={**extra, "model_revision": "w"}, pp_rank=1, pp_size=2), MHATokenToKVPoolHost()
     )
     assert store.spec.revision == "w+sglang-page_first-tp0of1-pp1of2"
+
+
+class LeaseOutlivedPool(InProcessPool):
+    """Hands every held block to the engine, then says none counted (``PoolClient.read_with``
+    when the read outlived its lease: the runs were verified and copied, but are misses)."""
+
+    def read_with(self, hashes: Any, use: Any) -> int:
+        super().read_with(hashes, use)
+        return 0
+
+
+def test_pages_a_read_handed_over_but_did_not_count_are_misses() -> None:
+    pool = LeaseOutlivedPool(SPEC, salt=b"s")
+    store = HiCachePoolLogic(pool, SPEC, b"s")
+    store.batch_set(["a", "b"], [page(0), page(1)])
+    assert store.batch_get(["a", "b"]) == [None, None]
+    target = torch.zeros(SPEC.block_bytes // 2, dtype=torch.bfloat16)
+    assert store.get("a", target) is None  # the bytes may be in target: not a hit all the same
