@@ -2,8 +2,10 @@
 over one arena buffer.
 
 Guarantees (checked by tests/property/test_store_*):
-- a block is visible to lookups only after ``put_commit`` verified its checksum in the
-  arena; a half-written block is never visible;
+- a block is visible to lookups only after ``put_commit``; a half-written block is never
+  visible. The commit verifies every block's checksum in the arena, or for a same-host
+  client's put a random sample (``verify_one_in``: then a bad block outside the sample is
+  visible, and reported STORED, until its first read fails and drops it: never served);
 - a leased block is never evicted, freed or overwritten: ``remove`` of a leased block hides
   it from new lookups and frees its slot only when the last lease is released or expires;
 - a hard-pinned block, or a soft-pinned one before its TTL, is never evicted;
@@ -333,6 +335,12 @@ class HostStore:
         good blocks are indexed under the lock."""
         if verify_one_in < 1:
             raise InvalidArgument(f"verify_one_in must be >= 1, not {verify_one_in}")
+        # one block at random from each group of verify_one_in (drawn before the put is taken
+        # out of the pending table, and outside the lock); None: every block
+        sample = None
+        if verify_one_in > 1:
+            count, pick = len(checksums), self._sampler.randrange
+            sample = [i + pick(min(verify_one_in, count - i)) for i in range(0, count, verify_one_in)]
         with self._lock:
             pending = self._pending.pop(put_id, None)
             if pending is None:
@@ -346,10 +354,6 @@ class HostStore:
                     f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
                 )
             self._verifying[put_id] = pending
-            count = len(pending.slots)
-            sample = None  # every block
-            if verify_one_in > 1:
-                sample = sorted(self._sampler.sample(range(count), -(-count // verify_one_in)))
         size = pending.block_bytes
         try:
             matches, checked = self._verify_written(pending, checksums, sample)
@@ -388,16 +392,22 @@ class HostStore:
         were checksummed (outside the lock). ``sample``: the slots to check (None: all); a
         slot left out counts as matching, unless a sampled one fails (``put_commit``)."""
         offsets = [offset for _, _, offset in pending.slots]
-        checked = 0
         if sample is not None:
             digests = checksum_at(self._buffer, [offsets[i] for i in sample], pending.block_bytes)
-            checked = len(sample)
             if all(digests[j] == checksums[i] for j, i in enumerate(sample)):
-                return [True] * len(offsets), checked
-            # a sampled block is bad: this writer's bytes cannot be trusted, check them all
+                return [True] * len(offsets), len(sample)
+            # a sampled block is bad: this writer's bytes cannot be trusted, check the rest too
+            rest = sorted(set(range(len(offsets))) - set(sample))
+            matches = [True] * len(offsets)
+            for i, digest in zip(sample, digests, strict=True):
+                matches[i] = digest == checksums[i]
+            for i, digest in zip(
+                rest, checksum_at(self._buffer, [offsets[i] for i in rest], pending.block_bytes), strict=True
+            ):
+                matches[i] = digest == checksums[i]
+            return matches, len(offsets)
         digests = checksum_at(self._buffer, offsets, pending.block_bytes)
-        matches = [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)]
-        return matches, checked + len(offsets)
+        return [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)], len(offsets)
 
     def _drop_put(self, pending: _PendingPut) -> None:
         """Forget a put taken out of ``_pending``: its keys, slots and bytes (lock held)."""
@@ -611,6 +621,7 @@ class HostStore:
                 "evictions": s.evictions,
                 "removed": s.removed,
                 "checksum_failures": s.checksum_failures,
+                "commit_checked_blocks": s.commit_checked_blocks,
                 "leases_active": len(self._leases),
                 "expired_leases": s.expired_leases,
                 "pending_puts": len(self._pending),

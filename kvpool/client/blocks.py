@@ -177,7 +177,9 @@ def read_rows(arena: np.ndarray, dst: np.ndarray, offsets: Sequence[int], checks
 BlockFill = Callable[[int, int, np.ndarray], None]
 """``fill(first, count, rows)``: write blocks ``first .. first + count - 1`` of a put (positions
 in its hashes) into ``rows``, a writable uint8 ``[count, block_bytes]`` view of their arena
-slots; the bytes are checksummed right after the call returns (still in cache)."""
+slots; the bytes are checksummed right after the call returns (still in cache). Finish every
+write before returning and keep no reference to ``rows``: the slots stop being writable when the
+put's window closes, and a write after that is a SIGSEGV (docs/security.md, put windows)."""
 
 BlockUse = Callable[[int, int, np.ndarray], None]
 """``use(first, count, rows)``: read leased blocks ``first .. first + count - 1`` (positions in

@@ -61,13 +61,14 @@ BUSY_BACKOFF_S = 0.010
 class PutResult:
     """What one put did: ``stored`` blocks committed now, ``already_present`` skipped (the pool had them),
     ``in_flight`` skipped (another writer is storing them), ``checksum_failed`` refused at commit (their bytes
-    did not match the checksum; recompute and put again).
+    did not match the checksum; recompute and put again). The node checks a random sample of a put's
+    blocks (all of them once one fails): a bad block outside it is a miss at its first read instead.
     """
 
     stored: int  # blocks written and committed by this call
     already_present: int  # skipped: the pool had them
     in_flight: int  # skipped: another writer is storing them now
-    checksum_failed: int  # written but rejected at commit (not stored)
+    checksum_failed: int  # written but rejected at commit (not stored; of the blocks the node checked)
 
 
 def is_tenant_busy(exc: grpc.RpcError, address: str) -> bool:
@@ -184,7 +185,8 @@ class StagedPut:
         return len(self._checksums)
 
     def commit(self) -> PutResult:
-        """Make the written blocks visible; the node refuses (``checksum_failed``) any whose bytes changed."""
+        """Make the written blocks visible; the node refuses (``checksum_failed``) any whose bytes changed
+        among those it checks (a random sample, all of the put once one fails: ``PutResult``)."""
         if self._done:
             return put_result(self._start, None)
         self._done = True

@@ -22,6 +22,7 @@ import bisect
 import ctypes
 import ctypes.util
 import fcntl
+import logging
 import mmap
 import os
 import sys
@@ -31,6 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.core.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
 
 
 class ArenaMapping:
@@ -46,6 +49,7 @@ class ArenaMapping:
         self._write_fd = write_fd
         self._mmap = mapping
         self._writer: WriteMapping | None = None  # made at the first put whose slots are whole pages
+        self._writer_failed = False
         self._writer_lock = threading.Lock()
         self.view = np.frombuffer(mapping, dtype=np.uint8)[:capacity_bytes]
         #: the kernel's page size of the arena's memory: 4 KiB (mmap.PAGESIZE), or the huge
@@ -121,28 +125,36 @@ class ArenaMapping:
         (``kvpool.core.arena_segments``) maps the segments they lie in here."""
 
     def put_window(self, offsets: Sequence[int], length: int) -> PutWindow:
-        """Writable mappings of the pages that ``[offset, offset + length)`` of each offset
-        covers, and of nothing else; close it (``with``) as soon as the bytes are in."""
+        """The pages that ``[offset, offset + length)`` of each offset covers made writable,
+        and nothing else; close it (``with``) as soon as the bytes are in. Slots of whole
+        pages get pages of the kept ``WriteMapping`` (``ProtectedWindow``), others a
+        mapping of their own (``PutWindow``), as do all where ``mprotect`` cannot be used."""
         if self._write_fd < 0:
             raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
         page = self.page_bytes
-        if length % page == 0 and all(offset % page == 0 for offset in offsets) and can_protect():
-            # whole pages: no page is shared with another put's slot (of this or another
-            # thread), so opening and closing these pages never touches anyone else's
-            writer = self._writer
-            if writer is None:
-                with self._writer_lock:
-                    if self._writer is None:
-                        self._writer = WriteMapping(self._write_fd, self.capacity_bytes, page)
-                    writer = self._writer
-            return ProtectedWindow(writer, self.capacity_bytes, offsets, length, page)
+        if length % page == 0 and all(offset % page == 0 for offset in offsets):
+            writer = self._kept_writer()
+            if writer is not None:
+                return ProtectedWindow(writer, self.capacity_bytes, offsets, length, page)
         return PutWindow(self._write_fd, self.capacity_bytes, offsets, length, page)
+
+    def _kept_writer(self) -> WriteMapping | None:
+        """The ``WriteMapping`` of this arena, made at the first call; None where it cannot
+        be made (no ``mprotect`` here, or it failed once: logged, windows from then on)."""
+        with self._writer_lock:
+            if self._writer is None and not self._writer_failed and can_protect():
+                try:
+                    self._writer = WriteMapping(self._write_fd, self.capacity_bytes, self.page_bytes)
+                except (OSError, Unavailable) as exc:
+                    self._writer_failed = True
+                    log.warning("puts map a window each (the kept write mapping failed: %s)", exc)
+            return self._writer
 
     def _drop_writer(self) -> None:
         with self._writer_lock:
             writer, self._writer = self._writer, None
         if writer is not None:
-            writer.close()
+            writer.close()  # unmapped once the last open window shuts
 
     @property
     def fd(self) -> int:
@@ -257,10 +269,17 @@ class PutWindow:
         self.view_of(where.start, where.stop)[:] = value
 
     def close(self) -> None:
+        """Close every run (all of them, even when one fails; the first error is raised)."""
+        error: BaseException | None = None
         while self._runs:
             start, stop, mapping, view = self._runs.pop()
             del view  # the last reference to the run's array: its buffer export ends here
-            self._close_run(start, stop, mapping)
+            try:
+                self._close_run(start, stop, mapping)
+            except BaseException as exc:  # the rest must still be closed
+                error = error or exc
+        if error is not None:
+            raise error
 
     def __enter__(self) -> PutWindow:
         return self
@@ -289,61 +308,101 @@ class ProtectedWindow(PutWindow):
 
 
 class WriteMapping:
-    """The whole arena mapped once, shared and writable, but ``PROT_NONE`` except over the
-    pages of puts being written (``open`` / ``shut``, which callers keep to whole pages that
-    no other open put covers). A page opened for the first time is mapped in place with
-    ``MAP_FIXED | MAP_POPULATE`` (its page-table entries made in one pass: a fault per 4 KiB
-    page costs ~3 us here, several times the copy of the page); it keeps its entries while
-    shut, so opening it again only changes its protection."""
+    """The whole arena mapped once, shared, and ``PROT_NONE`` except over the pages of puts
+    being written (``open`` / ``shut``, whole pages). Pages keep their page-table entries
+    while shut, so opening them again only switches their protection; a page's first open
+    also populates its entries in one call (``MADV_POPULATE_WRITE``, Linux 5.14+: a fault
+    per 4 KiB page costs ~3 us here, several times the copy of the page).
+
+    Safe for puts of many threads: a page is shut only when no open window covers it (two
+    puts' slots never share a page, but a put reclaimed after ``put_ttl_ms`` can still be
+    writing a slot the node has since given to another put of this client). ``close``
+    refuses new opens at once and unmaps when the last open window shuts; the mapping holds
+    its own descriptor. Not inherited by a forked child (``MADV_DONTFORK``)."""
 
     def __init__(self, fd: int, capacity_bytes: int, page_bytes: int) -> None:
-        self._fd = fd
         self._page_bytes = page_bytes
-        self._mmap = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.view = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._address = int(self.view.ctypes.data)
-        self._populated = np.zeros(-(-capacity_bytes // page_bytes), dtype=np.bool_)  # per page
-        self._protect(0, capacity_bytes, PROT_NONE)  # nothing was touched while it was writable
+        mapped_bytes = -(-capacity_bytes // page_bytes) * page_bytes  # a huge-page file is rounded up too
+        self._fd = os.dup(fd)
+        try:
+            self._mmap = mmap.mmap(self._fd, mapped_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        try:
+            self.view = np.frombuffer(self._mmap, dtype=np.uint8)
+            self._address = int(self.view.ctypes.data)
+            self._mprotect(0, mapped_bytes, PROT_NONE)  # nothing was touched while it was writable
+            self._mmap.madvise(mmap.MADV_DONTFORK)
+        except BaseException:
+            self.view = np.empty(0, dtype=np.uint8)
+            self._mmap.close()
+            os.close(self._fd)
+            raise
+        self._populated = np.zeros(mapped_bytes // page_bytes, dtype=np.bool_)  # one byte per page
+        self._open_runs: dict[tuple[int, int], int] = {}  # (start, stop) -> open windows with it
+        self._lock = threading.Lock()
+        self._closed = False
 
-    def _protect(self, start: int, stop: int, prot: int) -> None:
+    def _mprotect(self, start: int, stop: int, prot: int) -> None:
         if _libc.mprotect(self._address + start, stop - start, prot) != 0:
             err = ctypes.get_errno()
             raise Unavailable(f"mprotect of arena bytes [{start}, {stop}) failed: {os.strerror(err)}")
 
     def open(self, start: int, stop: int) -> np.ndarray:
-        """Make ``[start, stop)`` writable and return it."""
-        first, last = start // self._page_bytes, stop // self._page_bytes
-        if self._populated[first:last].all():
-            self._protect(start, stop, mmap.PROT_READ | mmap.PROT_WRITE)
-        else:
-            flags = mmap.MAP_SHARED | MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
-            got = _libc.mmap(
-                self._address + start, stop - start, mmap.PROT_READ | mmap.PROT_WRITE, flags, self._fd, start
-            )
-            if got != self._address + start:
-                err = ctypes.get_errno()
-                raise Unavailable(f"mapping arena bytes [{start}, {stop}) in place failed: {os.strerror(err)}")
+        """Make ``[start, stop)`` (whole pages) writable and return it; ``Unavailable`` once closed."""
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the arena mapping was closed during this put (the client reconnected)")
+            self._mprotect(start, stop, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._open_runs[(start, stop)] = self._open_runs.get((start, stop), 0) + 1
+            first, last = start // self._page_bytes, stop // self._page_bytes
+            fresh = not self._populated[first:last].all()
             self._populated[first:last] = True
+        if fresh and _libc.madvise(self._address + start, stop - start, MADV_POPULATE_WRITE) != 0:
+            pass  # an older kernel: the copy faults its pages in one by one instead
         return self.view[start:stop]
 
     def shut(self, start: int, stop: int) -> None:
-        """Make ``[start, stop)`` inaccessible again (a write is a SIGSEGV from now on)."""
-        self._protect(start, stop, PROT_NONE)
+        """Make ``[start, stop)`` inaccessible again (a write is a SIGSEGV from now on), but
+        for pages another open window still covers."""
+        with self._lock:
+            count = self._open_runs.pop((start, stop), 0)
+            if count > 1:
+                self._open_runs[(start, stop)] = count - 1
+            pieces = [(start, stop)]
+            for lo, hi in self._open_runs:  # cut out what other open windows hold
+                pieces = [part for a, b in pieces for part in ((a, min(b, lo)), (max(a, hi), b)) if part[0] < part[1]]
+            for a, b in pieces:
+                self._mprotect(a, b, PROT_NONE)
+            if self._closed and not self._open_runs:
+                self._unmap()
 
     def close(self) -> None:
+        """No new opens; unmap now, or when the last open window shuts."""
+        with self._lock:
+            self._closed = True
+            if not self._open_runs:
+                self._unmap()
+
+    def _unmap(self) -> None:
+        if self._fd < 0:
+            return
         self.view = np.empty(0, dtype=np.uint8)
         try:
             self._mmap.close()
         except BufferError:
-            pass  # a put in flight still holds its pages; the mapping dies with its views
+            pass  # a caller kept a view of a shut window; the mapping dies with it
+        os.close(self._fd)
+        self._fd = -1
 
 
 PROT_NONE = 0
-MAP_FIXED = 0x10  # Linux; not in Python's mmap module
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python 3.11's mmap module
 
 
 class _Libc:
-    """libc's ``mprotect`` and ``mmap`` through ctypes (Linux), or ``usable`` False where
+    """libc's ``mprotect`` and ``madvise`` through ctypes (Linux), or ``usable`` False where
     they cannot be called: puts then map a window of their own (``PutWindow``)."""
 
     def __init__(self) -> None:
@@ -353,13 +412,12 @@ class _Libc:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
             self.mprotect = libc.mprotect
-            self.mmap = libc.mmap
+            self.madvise = libc.madvise
         except (OSError, AttributeError):
             return
-        self.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self.mprotect.restype = ctypes.c_int
-        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        self.mmap.restype = ctypes.c_void_p
+        for function in (self.mprotect, self.madvise):
+            function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            function.restype = ctypes.c_int
         self.usable = True
 
 

@@ -28,7 +28,8 @@ credential may not use gets DENIED and is closed (``kvpool.core.tickets``).
 A READ or WRITE past its tenant's share of the node's data plane (``kvpool/transport/shares.py``)
 is answered BUSY after its request was read and dropped: the connection stays in sync.
 
-A full-block read carries the checksum the writer computed (verified at commit), so the
+A full-block read carries the checksum the writer computed (checked at commit: in full for a
+data-plane write, a random sample of a same-host put), so the
 check on arrival is end to end. For a byte-range read the server first verifies the WHOLE
 block in its arena against that committed checksum (one xxh3 per block; a block that rotted
 after commit ends the reply there: it and every later item are misses, logged), then sends

@@ -3,10 +3,8 @@ nothing else (issue 10, item 3); the daemon-side ``SharedArena`` keeps its own v
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -98,15 +96,16 @@ def test_a_client_arena_is_read_only_and_needs_a_write_descriptor_for_a_window()
         owner.close()
 
 
-def dies_writing(address: int) -> int:
-    """A raw one-byte write at ``address`` in a forked child: its exit signal (0 = it wrote)."""
-    pid = os.fork()
-    if pid == 0:
-        signal.signal(signal.SIGSEGV, signal.SIG_DFL)
-        ctypes.memset(address, 0x5A, 1)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+def perms_at(address: int) -> str:
+    """The permissions of this process's mapping holding ``address`` ("" if none). The kept
+    write mapping is not inherited by a forked child (``MADV_DONTFORK``), so a write cannot
+    be tried there: ``---s`` is what makes a write a SIGSEGV."""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()[1]
+    return ""
 
 
 def writable_bytes(fd: int) -> int:
@@ -155,7 +154,7 @@ def test_whole_page_slots_open_only_their_pages_of_one_kept_mapping(pages: list[
                 assert (client.view[off : off + length * PAGE] == i + 1).all()  # every byte landed
         writer = client._writer
         assert writer is not None
-        assert dies_writing(int(writer.view.ctypes.data) + puts[0][0]) == signal.SIGSEGV
+        assert perms_at(int(writer.view.ctypes.data) + puts[0][0]) == "---s"
     finally:
         client.close()  # closes both descriptors
 
@@ -173,3 +172,74 @@ def test_slots_that_share_pages_get_a_window_of_their_own() -> None:
         assert (client.view[PAGE + 16 : 2 * PAGE + 16] == 1).all()
     finally:
         client.close()  # closes both descriptors
+
+
+def kept_client(fd: int) -> ArenaMapping:
+    """A client mapping of memfd ``fd`` holding it as its write descriptor (closes it)."""
+    return ArenaMapping(f"/proc/self/fd/{fd}", CAPACITY, os.dup(fd), mmap.mmap(fd, CAPACITY, prot=mmap.PROT_READ), fd)
+
+
+@pytest.mark.skipif(not can_protect(), reason="needs mprotect (Linux)")
+def test_a_page_two_open_puts_cover_stays_writable_until_both_are_done() -> None:
+    """A put reclaimed after put_ttl_ms can still be writing a slot the node gave to a new
+    put of the same client: the first to finish must not shut the other's pages."""
+    fd = memfd()
+    client = kept_client(fd)
+    try:
+        late, fresh = client.put_window([2 * PAGE], PAGE), client.put_window([2 * PAGE], PAGE)
+        assert isinstance(late, ProtectedWindow) and isinstance(fresh, ProtectedWindow)
+        late.close()
+        fresh[2 * PAGE : 3 * PAGE] = np.full(PAGE, 7, dtype=np.uint8)  # no SIGSEGV: still open
+        writer = client._writer
+        assert writer is not None
+        assert perms_at(int(writer.view.ctypes.data) + 2 * PAGE) == "rw-s"
+        pid = os.fork()
+        if pid == 0:  # a forked child does not get the kept mapping, open pages or not
+            os._exit(0 if perms_at(int(writer.view.ctypes.data) + 2 * PAGE) == "" else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        fresh.close()
+        assert writable_bytes(fd) == 0
+        assert perms_at(int(writer.view.ctypes.data) + 2 * PAGE) == "---s"
+    finally:
+        client.close()
+
+
+@pytest.mark.skipif(not can_protect(), reason="needs mprotect (Linux)")
+def test_closing_the_mapping_during_a_put_refuses_new_puts_and_unmaps_after_the_last() -> None:
+    """A re-Hello closes the old mapping while a put of another thread writes through it:
+    that put finishes, nothing new opens, and the kept mapping goes with the last window."""
+    fd = memfd()
+    client = kept_client(fd)
+    writer = None
+    try:
+        window = client.put_window([0, PAGE], PAGE)
+        writer = client._writer
+        assert writer is not None
+        client.close()
+        window[0:PAGE] = np.ones(PAGE, dtype=np.uint8)  # the put in flight still writes
+        with pytest.raises(Unavailable):
+            writer.open(4 * PAGE, 5 * PAGE)
+        address = int(writer.view.ctypes.data)
+        assert perms_at(address) == "rw-s"  # still mapped, for the put in flight
+        window.close()
+        assert writer.view.size == 0 and perms_at(address) == ""  # unmapped with the last window
+    finally:
+        client.close()
+
+
+@pytest.mark.skipif(not can_protect(), reason="needs mprotect (Linux)")
+def test_a_kept_mapping_that_cannot_be_made_falls_back_to_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpool.core.arena_map as arena_map
+
+    monkeypatch.setattr(arena_map._libc, "mprotect", lambda *args: -1)
+    fd = memfd()
+    client = kept_client(fd)
+    try:
+        with client.put_window([PAGE], PAGE) as window:
+            assert not isinstance(window, ProtectedWindow)
+            window[PAGE : 2 * PAGE] = np.full(PAGE, 3, dtype=np.uint8)
+        assert client._writer is None and client._writer_failed
+        assert (client.view[PAGE : 2 * PAGE] == 3).all()
+        assert writable_bytes(fd) == 0  # the failed kept mapping was not left behind
+    finally:
+        client.close()
