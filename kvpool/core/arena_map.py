@@ -176,10 +176,7 @@ class ArenaMapping:
         if self._fd < 0:
             return
         self.view = np.empty(0, dtype=np.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a live numpy view still exports the buffer; the mapping dies with it
+        close_mapping(self._mmap)
         self._drop_writer()
         if self._write_fd >= 0 and self._write_fd != self._fd:
             os.close(self._write_fd)
@@ -242,10 +239,7 @@ class PutWindow:
 
     def _close_run(self, start: int, stop: int, mapping: mmap.mmap | None) -> None:
         assert mapping is not None
-        try:
-            mapping.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping dies with it
+        close_mapping(mapping)
 
     @property
     def mapped_bytes(self) -> int:
@@ -336,7 +330,7 @@ class WriteMapping:
             self._mmap.madvise(mmap.MADV_DONTFORK)
         except BaseException:
             self.view = np.empty(0, dtype=np.uint8)
-            self._mmap.close()
+            close_mapping(self._mmap)
             os.close(self._fd)
             raise
         self._populated = np.zeros(mapped_bytes // page_bytes, dtype=np.bool_)  # one byte per page
@@ -389,10 +383,7 @@ class WriteMapping:
         if self._fd < 0:
             return
         self.view = np.empty(0, dtype=np.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a caller kept a view of a shut window; the mapping dies with it
+        close_mapping(self._mmap)
         os.close(self._fd)
         self._fd = -1
 
@@ -449,6 +440,15 @@ def page_runs(
     return ranges
 
 
+def close_mapping(mapping: mmap.mmap) -> None:
+    """Unmap ``mapping`` now, or, while a numpy view still exports its buffer, when the last
+    view dies (``BufferError`` here)."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
+
+
 def check_size(fd: int, capacity_bytes: int, what: str) -> None:
     """``Unavailable`` when the file behind ``fd`` is shorter than the arena it should hold
     (a mapping past its end is SIGBUS on first touch)."""
@@ -457,4 +457,13 @@ def check_size(fd: int, capacity_bytes: int, what: str) -> None:
         raise Unavailable(f"{what} is {size} bytes, expected {capacity_bytes}")
 
 
-__all__ = ["ArenaMapping", "ProtectedWindow", "PutWindow", "WriteMapping", "can_protect", "check_size", "page_runs"]
+__all__ = [
+    "ArenaMapping",
+    "ProtectedWindow",
+    "PutWindow",
+    "WriteMapping",
+    "can_protect",
+    "check_size",
+    "close_mapping",
+    "page_runs",
+]
