@@ -43,6 +43,11 @@ NODE_COUNTERS = (
     ("kvpool_put_blocks", "puts", "Blocks committed by puts."),
     ("kvpool_put_bytes", "put_bytes", "Bytes committed by puts."),
     ("kvpool_put_skipped_present_blocks", "skipped_present", "Blocks a put named that were already stored."),
+    (
+        "kvpool_put_commit_checked_blocks",
+        "commit_checked_blocks",
+        "Blocks checksummed at put commit (a data-plane write's all, a same-host put's sample).",
+    ),
     ("kvpool_removed_blocks", "removed", "Blocks removed on request (Remove, clear)."),
     ("kvpool_leases_expired", "expired_leases", "Read leases dropped at their TTL without a release."),
     ("kvpool_puts_reclaimed", "reclaimed_puts", "Puts reclaimed at their TTL (writer presumed dead)."),

@@ -67,6 +67,7 @@ def test_daemon_metrics_count_what_the_client_did() -> None:
         daemon.cleanup()
     assert value(m, "kvpool_put_blocks_total") == 4 == s["puts"]
     assert value(m, "kvpool_put_skipped_present_blocks_total") == 2
+    assert value(m, "kvpool_put_commit_checked_blocks_total") == 1 == s["commit_checked_blocks"]  # 1 of 4 in 16
     assert value(m, "kvpool_put_bytes_total") == 4 * SPEC.block_bytes
     assert value(m, "kvpool_lookup_calls_total") == s["lookup_calls"] >= 1
     assert value(m, "kvpool_lookup_hit_blocks_total", tier="host") == s["lookup_hit_blocks_by_tier"]["host"]
