@@ -392,22 +392,16 @@ class HostStore:
         were checksummed (outside the lock). ``sample``: the slots to check (None: all); a
         slot left out counts as matching, unless a sampled one fails (``put_commit``)."""
         offsets = [offset for _, _, offset in pending.slots]
+        checked = 0
         if sample is not None:
             digests = checksum_at(self._buffer, [offsets[i] for i in sample], pending.block_bytes)
+            checked = len(sample)
             if all(digests[j] == checksums[i] for j, i in enumerate(sample)):
-                return [True] * len(offsets), len(sample)
-            # a sampled block is bad: this writer's bytes cannot be trusted, check the rest too
-            rest = sorted(set(range(len(offsets))) - set(sample))
-            matches = [True] * len(offsets)
-            for i, digest in zip(sample, digests, strict=True):
-                matches[i] = digest == checksums[i]
-            for i, digest in zip(
-                rest, checksum_at(self._buffer, [offsets[i] for i in rest], pending.block_bytes), strict=True
-            ):
-                matches[i] = digest == checksums[i]
-            return matches, len(offsets)
+                return [True] * len(offsets), checked
+            # a sampled block is bad: this writer's bytes cannot be trusted, check them all
         digests = checksum_at(self._buffer, offsets, pending.block_bytes)
-        return [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)], len(offsets)
+        matches = [digest == checksum for digest, checksum in zip(digests, checksums, strict=True)]
+        return matches, checked + len(offsets)
 
     def _drop_put(self, pending: _PendingPut) -> None:
         """Forget a put taken out of ``_pending``: its keys, slots and bytes (lock held)."""

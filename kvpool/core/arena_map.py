@@ -353,8 +353,8 @@ class WriteMapping:
             first, last = start // self._page_bytes, stop // self._page_bytes
             fresh = not self._populated[first:last].all()
             self._populated[first:last] = True
-        if fresh and _libc.madvise(self._address + start, stop - start, MADV_POPULATE_WRITE) != 0:
-            pass  # an older kernel: the copy faults its pages in one by one instead
+        if fresh:  # fails on a kernel before 5.14: the copy then faults the pages in one by one
+            _libc.madvise(self._address + start, stop - start, MADV_POPULATE_WRITE)
         return self.view[start:stop]
 
     def shut(self, start: int, stop: int) -> None:
