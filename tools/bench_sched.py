@@ -15,7 +15,8 @@ weights and activations, 1 TB host DRAM per node, NIC / PCIe bandwidths per hop.
    with peer reads (``goodput``) and local-only (``goodput-local``);
 3. capacity curve: mean TTFT against the global pool's capacity (0 .. unbounded);
 4. generated workloads (agent, docqa, chat): the regime table on each, peers on
-   (``workloads``), and docqa local-only (``workloads-local``);
+   (``workloads``), and docqa and agent local-only (``workloads-local``, with the agent goodput
+   ``goodput-agent-local``);
 5. decision time with 64 instances and 1M indexed blocks (target p99 <= 50 us);
 6. Prefill-as-a-Service on heterogeneous hardware (``paas``).
 
@@ -64,8 +65,13 @@ WORKLOAD_RUNS: tuple[tuple[str, list[float], tuple[str, ...]], ...] = (
     ("docqa", [1.0, 2.0], NOREJECT),
     ("chat", [1.0, 2.0], NOREJECT),
 )
-#: the generated workload whose documents outgrow a node, in the capacity-constrained regime (local-only)
-WORKLOAD_LOCAL_RUNS: tuple[tuple[str, list[float], tuple[str, ...]], ...] = (("docqa", [2.0, 3.0], NOREJECT),)
+#: generated workloads in the capacity-constrained regime (local-only): docqa, whose documents outgrow a
+#: node, and agent, whose sessions' growing contexts live on the node that served their last step; agent
+#: up to 5x its default rate, the last load every policy but least-loaded / sglang / dynamo / llm-d holds
+WORKLOAD_LOCAL_RUNS: tuple[tuple[str, list[float], tuple[str, ...]], ...] = (
+    ("docqa", [2.0, 3.0], NOREJECT),
+    ("agent", [1.0, 2.0, 3.0, 4.0, 4.5, 5.0], NOREJECT),
+)
 
 
 def log(msg: str) -> None:
@@ -284,7 +290,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="replays run in parallel (default 2)")
     ap.add_argument(
         "--parts",
-        default="regime-local,regime-peers,workloads,workloads-local,goodput,goodput-local,capacity,paas,decision",
+        default="regime-local,regime-peers,workloads,workloads-local,goodput,goodput-local,goodput-agent-local,"
+        "capacity,paas,decision",
         help="comma list of parts to run (default: all but goodput80); results accumulate in --out",
     )
     ap.add_argument("--kinds", default="agent,docqa,chat", help="generated workloads of part workloads")
@@ -362,6 +369,9 @@ def main() -> int:
     if "goodput-local" in parts:  # the capacity-constrained regime: no reads of another node's cache
         pols = ("least-loaded", "dynamo", "prefix-only", "kv-centric-noreject")
         save("goodput_local", part_goodput("conversation", pols, regime_spec(False), args.jobs, **gp))
+    if "goodput-agent-local" in parts:  # the generated workload of the targets, local-only
+        pols = ("least-loaded", "dynamo", "llm-d", "prefix-only", "kv-centric-noreject")
+        save("goodput_agent_local", part_goodput("agent", pols, regime_spec(False), args.jobs, 0.9, 2.0, 8.0, 3))
     if "goodput80" in parts:  # the 90% curve is flat (see docs): the same search at 80% attainment
         pols80 = ("least-loaded", "dynamo", "kv-centric-noreject")
         save("goodput_80", part_goodput("conversation", pols80, regime_spec(True), args.jobs, 0.8, 0.85, 2.0, 3))

@@ -104,6 +104,8 @@ def main() -> int:
         print(f"### goodput\n\n{goodput(rep['goodput'], '90%')}\n")
     if "goodput_local" in rep:
         print(f"### goodput local-only\n\n{goodput(rep['goodput_local'], '90%')}\n")
+    if "goodput_agent_local" in rep:
+        print(f"### goodput agent local-only\n\n{goodput(rep['goodput_agent_local'], '90%')}\n")
     if "goodput_80" in rep:
         print(f"### goodput 80\n\n{goodput(rep['goodput_80'], '80%')}\n")
     if "capacity" in rep:
