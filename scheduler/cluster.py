@@ -164,7 +164,9 @@ class PrefillPlan:
     prefill_ms: float  # how long the prefill occupies ``member`` (chunked: with the decode steps it interleaves)
     stall_ms: float  # what the prefill adds to each decode running on ``member`` (decode-local only)
     done_ms: float
-    to_decode_bytes: int  # the KV the decode instance lacks: the whole prefix minus what it already holds
+    # the KV the decode instance lacks (the whole prefix minus what it already holds) + a hybrid model's
+    # fixed linear state (``CostModel.state_bytes_per_request``)
+    to_decode_bytes: int
     to_decode_start_ms: float
     first_token_ms: float
     ttft_ms: float
@@ -320,7 +322,11 @@ class ClusterState:
         pool_b = k if src == spec.pool_member else 0
         peer_b = k - pool_b
         dec_has = req.cached_tokens(min(int(lens[decode_member]), n_blocks), spec.block_tokens)
-        to_bytes = 0 if member == decode_member else (req.input_tokens - dec_has) * cost.kv_bytes_per_token
+        to_bytes = (
+            0
+            if member == decode_member
+            else (req.input_tokens - dec_has) * cost.kv_bytes_per_token + cost.state_bytes_per_request
+        )
         if role == "remote":
             send = max(done, self.link_busy_until_ms)
             first = send + float(
@@ -409,7 +415,7 @@ class ClusterState:
             done = np.where(take, done1, done)
             hit = np.where(take, reach, 0)
         dec_has = req.cached_tokens(min(int(lens[decode_member]), n_blocks), bt)
-        to_bytes = (inp - dec_has) * cost.kv_bytes_per_token
+        to_bytes = (inp - dec_has) * cost.kv_bytes_per_token + cost.state_bytes_per_request
         move = float(transfer_ms(to_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
         floor_dec = now
         if contention:
@@ -475,7 +481,7 @@ class ClusterState:
             done = np.where(take, done1, done)
             hit = np.where(take, local + extra, local)
         dec_has = req.cached_tokens(min(int(lens[decode_member]), n_blocks), bt)
-        to_bytes = (inp - dec_has) * cost.kv_bytes_per_token
+        to_bytes = (inp - dec_has) * cost.kv_bytes_per_token + cost.state_bytes_per_request
         move = float(transfer_ms(to_bytes, spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms))
         if spec.nic_contention:
             floor = max(now, float(self.nic_in_busy_until_ms[decode_member]))

@@ -45,10 +45,15 @@ class CostModel:
     decode_base_ms: float
     decode_ms_per_seq: float
     decode_ms_per_context_token: float
+    # Fixed per-request state beside the KV (a hybrid model's linear-attention recurrent + conv state):
+    # constant in tokens, it travels with every prefill -> decode transfer. 0 for full-attention models.
+    state_bytes_per_request: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
             raise InvalidArgument("kv_bytes_per_token must be positive")
+        if self.state_bytes_per_request < 0:
+            raise InvalidArgument("state_bytes_per_request must be >= 0")
         for name in (
             "prefill_base_ms",
             "prefill_ms_per_token",
@@ -114,18 +119,53 @@ def transfer_ms(num_bytes: Any, bandwidth_bytes_per_s: float, latency_ms: float 
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the FLOP / byte model needs from a model config."""
+    """What the FLOP / byte model needs from a model config.
 
-    params: float
+    Hybrid attention (Qwen3-Next, Kimi Linear: a few full-attention layers among linear-attention
+    ones) changes three things, which is why it has its own fields rather than a smaller
+    ``num_layers``: only the ``full_attention_layers`` keep a KV cache and pay the quadratic
+    attention term; the linear layers keep a fixed ``linear_state_bytes`` per request (constant in
+    tokens) and cost ``linear_flops_per_token`` beyond their projections. An MoE's FLOPs follow its
+    ``active_params``, its weight reads and HBM its total ``params``. Every new field defaults to
+    the dense, full-attention model, which gives exactly the numbers of before.
+    """
+
+    params: float  # total: the weights' bytes (HBM, decode re-reads)
     num_layers: int
     hidden: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    full_attention_layers: int | None = None  # None: every layer is full attention
+    active_params: float | None = None  # an MoE's parameters used per token; None: dense (= params)
+    attention_width: int | None = None  # query heads x head_dim of a full-attention layer; None: hidden
+    linear_state_bytes: int = 0  # per request, all linear-attention layers together
+    linear_flops_per_token: float = 0.0  # the linear layers' state update + read, all of them, per token
+
+    def __post_init__(self) -> None:
+        full = self.full_attention_layers
+        if full is not None and not 0 <= full <= self.num_layers:
+            raise InvalidArgument(f"full_attention_layers must be in [0, {self.num_layers}], got {full}")
+        if full is None and (self.linear_state_bytes or self.linear_flops_per_token):
+            raise InvalidArgument("a linear state needs linear layers: set full_attention_layers < num_layers")
+        if self.active_params is not None and not 0 < self.active_params <= self.params:
+            raise InvalidArgument(f"active_params must be in (0, params], got {self.active_params}")
+        if self.linear_state_bytes < 0 or self.linear_flops_per_token < 0:
+            raise InvalidArgument("linear_state_bytes and linear_flops_per_token must be >= 0")
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache and a quadratic attention term."""
+        return self.num_layers if self.full_attention_layers is None else self.full_attention_layers
+
+    @property
+    def flop_params(self) -> float:
+        """Parameters each token multiplies through (2 FLOPs each)."""
+        return self.params if self.active_params is None else self.active_params
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.attention_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -141,19 +181,28 @@ class Hardware:
 
 
 def from_architecture(name: str, source: str, arch: Architecture, hw: Hardware) -> CostModel:
-    """The FLOP / byte model (see module docstring) for ``arch`` on ``hw``."""
+    """The FLOP / byte model (see module docstring) for ``arch`` on ``hw``.
+
+    Per token: ``2 * flop_params`` (+ the linear layers' state FLOPs); per attended pair
+    ``4 * attention_layers * attention_width``; a decode step re-reads all weights, each running
+    sequence's KV and reads + writes its linear state once. For a dense full-attention model these
+    are the expressions of before, term for term (adding an exact 0.0), so its numbers do not move.
+    """
     flops_per_ms = hw.gpus * hw.peak_flops * hw.mfu / 1000.0
     bytes_per_ms = hw.gpus * hw.hbm_bytes_per_s * hw.mbu / 1000.0
+    width = arch.hidden if arch.attention_width is None else arch.attention_width
+    per_token_ms = (2.0 * arch.flop_params + arch.linear_flops_per_token) / flops_per_ms
     return CostModel(
         name=name,
         source=source,
         kv_bytes_per_token=arch.kv_bytes_per_token,
         prefill_base_ms=hw.step_overhead_ms,
-        prefill_ms_per_token=2.0 * arch.params / flops_per_ms,
-        prefill_ms_per_token_pair=4.0 * arch.num_layers * arch.hidden / flops_per_ms,
+        prefill_ms_per_token=per_token_ms,
+        prefill_ms_per_token_pair=4.0 * arch.attention_layers * width / flops_per_ms,
         decode_base_ms=hw.step_overhead_ms + arch.params * arch.dtype_bytes / bytes_per_ms,
-        decode_ms_per_seq=2.0 * arch.params / flops_per_ms,
+        decode_ms_per_seq=per_token_ms + 2.0 * arch.linear_state_bytes / bytes_per_ms,
         decode_ms_per_context_token=arch.kv_bytes_per_token / bytes_per_ms,
+        state_bytes_per_request=arch.linear_state_bytes,
     )
 
 
@@ -161,6 +210,26 @@ def from_architecture(name: str, source: str, arch: Architecture, hw: Hardware) 
 LLAMA3_70B = Architecture(params=70.6e9, num_layers=80, hidden=8192, num_kv_heads=8, head_dim=128)
 #: Meta LLaMA3-8B config: 32 layers, hidden 4096, 8 KV heads of 128, bf16.
 LLAMA3_8B = Architecture(params=8.03e9, num_layers=32, hidden=4096, num_kv_heads=8, head_dim=128)
+#: Qwen3-Next-80B-A3B (model card and config.json): 80B parameters in total, 3B activated (512 experts,
+#: 10 routed + 1 shared); 48 layers, hidden 2048, layout 12 x (3 Gated DeltaNet + 1 gated attention),
+#: i.e. 12 full-attention layers of 16 query / 2 KV heads of 256 (``full_attention_interval`` 4), and
+#: 36 Gated DeltaNet layers of 32 value / 16 key heads of 128, conv kernel 4. Derived here:
+#: KV = 2 x 12 x 2 x 256 x 2 B = 24 KiB/token (LLaMA3-70B: 320 KiB); linear state per layer =
+#: 32 x 128 x 128 (recurrent) + 3 x (2 x 16 x 128 + 32 x 128) (conv) = 548,864 values, x 2 B (bf16,
+#: vLLM's default state dtype follows the model's) x 36 layers = 39,518,208 B (37.7 MiB) per request;
+#: the delta rule's state update + read ~ 6 x 32 x 128 x 128 FLOPs per layer per token.
+QWEN3_NEXT_80B = Architecture(
+    params=80e9,
+    num_layers=48,
+    hidden=2048,
+    num_kv_heads=2,
+    head_dim=256,
+    full_attention_layers=12,
+    active_params=3e9,
+    attention_width=16 * 256,
+    linear_state_bytes=36 * (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 2,
+    linear_flops_per_token=36 * 6.0 * 32 * 128 * 128,
+)
 #: NVIDIA datasheets: A800 80GB SXM 312 TFLOPS bf16 dense, 2.039 TB/s; H800 SXM 989 TFLOPS, 3.35 TB/s.
 A800X8 = Hardware(gpus=8, peak_flops=312e12, hbm_bytes_per_s=2.039e12)
 H800X8 = Hardware(gpus=8, peak_flops=989e12, hbm_bytes_per_s=3.35e12)

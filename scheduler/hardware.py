@@ -33,6 +33,7 @@ from kvpool.scheduler.cost_model import (
     A800X8,
     H800X8,
     LLAMA3_70B,
+    QWEN3_NEXT_80B,
     Architecture,
     CostModel,
     Hardware,
@@ -43,6 +44,9 @@ GIB = 1 << 30
 
 #: NVIDIA H20 datasheet: 96 GB HBM3, 4.0 TB/s, 148 TFLOPS bf16 dense: the bandwidth-rich, compute-poor part.
 H20X8 = Hardware(gpus=8, peak_flops=148e12, hbm_bytes_per_s=4.0e12)
+#: NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS bf16 dense (1,979 with sparsity): the
+#: compute-dense part of Prefill-as-a-Service's remote prefill cluster (Qin et al. 2026: 32x H200).
+H200X8 = Hardware(gpus=8, peak_flops=989e12, hbm_bytes_per_s=4.8e12)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,41 @@ NODE_PRESETS: dict[str, NodePreset] = {
             "LLaMA3-70B on 8x H20 96GB: the bandwidth-rich decode part (4.0 TB/s, 148 TFLOPS bf16); "
             "8x 400 Gbps NICs; 1 TB host DRAM for KV (assumption).",
             LLAMA3_70B,
+            H20X8,
+            hbm_bytes_per_gpu=96e9,
+            host_dram_kv_bytes=1e12,
+            nic_bytes_per_s=400e9,
+            pcie_bytes_per_s=200e9,
+        ),
+        # Qwen3-Next-80B-A3B (hybrid attention: 12 of 48 layers keep KV, 24 KiB/token; 37.7 MiB of linear
+        # state per request; 3B active of 80B): the model class Prefill-as-a-Service is built for.
+        NodePreset(
+            "qwen3-next-80b-h800x8",
+            "Qwen3-Next-80B-A3B (hybrid attention) on 8x H800 80GB SXM; 8x 400 Gbps NICs; "
+            "1 TB host DRAM for KV (assumption).",
+            QWEN3_NEXT_80B,
+            H800X8,
+            hbm_bytes_per_gpu=80e9,
+            host_dram_kv_bytes=1e12,
+            nic_bytes_per_s=400e9,
+            pcie_bytes_per_s=200e9,
+        ),
+        NodePreset(
+            "qwen3-next-80b-h200x8",
+            "Qwen3-Next-80B-A3B (hybrid attention) on 8x H200 141GB SXM (989 TFLOPS bf16, 4.8 TB/s): "
+            "the compute-dense remote prefill part; 8x 400 Gbps NICs; 1 TB host DRAM for KV (assumption).",
+            QWEN3_NEXT_80B,
+            H200X8,
+            hbm_bytes_per_gpu=141e9,
+            host_dram_kv_bytes=1e12,
+            nic_bytes_per_s=400e9,
+            pcie_bytes_per_s=200e9,
+        ),
+        NodePreset(
+            "qwen3-next-80b-h20x8",
+            "Qwen3-Next-80B-A3B (hybrid attention) on 8x H20 96GB (148 TFLOPS bf16, 4.0 TB/s): the "
+            "bandwidth-rich, compute-poor part; 8x 400 Gbps NICs; 1 TB host DRAM for KV (assumption).",
+            QWEN3_NEXT_80B,
             H20X8,
             hbm_bytes_per_gpu=96e9,
             host_dram_kv_bytes=1e12,

@@ -33,8 +33,8 @@ from kvpool.scheduler.cluster import _SPARSE_HOLDERS, ClusterState
 # prm layout
 P_NUM_PREFILL, P_NUM_DECODE, P_POOL, P_POOL_ON, P_PEER_FETCH, P_CONTENTION = 0, 1, 2, 3, 4, 5
 P_BT, P_A, P_HALF_B, P_BASE, P_KVB, P_BW, P_LAT, P_PER_BLOCK = 6, 7, 8, 9, 10, 11, 12, 13
-P_DEC_BASE, P_DEC_SEQ, P_DEC_CTX = 14, 15, 16
-NUM_PARAMS = 17
+P_DEC_BASE, P_DEC_SEQ, P_DEC_CTX, P_STATE = 14, 15, 16, 17
+NUM_PARAMS = 18
 
 _kernel: Callable[..., tuple[int, int, int, float, float]] | None = None
 _tried = False
@@ -56,6 +56,7 @@ def static_params(state: ClusterState) -> np.ndarray:
         pc.prefill_base_ms,
     )
     prm[P_KVB] = pc.kv_bytes_per_token
+    prm[P_STATE] = pc.state_bytes_per_request  # a hybrid model's linear state travels with the KV
     prm[P_BW], prm[P_LAT] = spec.pool_bandwidth_bytes_per_s, spec.link_latency_ms
     prm[P_PER_BLOCK] = state.block_bytes * 1000.0 / spec.pool_bandwidth_bytes_per_s
     prm[P_DEC_BASE], prm[P_DEC_SEQ], prm[P_DEC_CTX] = (
@@ -113,7 +114,7 @@ def _decide(
         if lens[j] != 0:
             holders += 1
     dec_has = min(min(lens[d], n_blocks) * bt, inp - 1)
-    to_bytes = (inp - dec_has) * int(prm[P_KVB])
+    to_bytes = (inp - dec_has) * int(prm[P_KVB]) + int(prm[P_STATE])
     move = lat + to_bytes / prm[P_BW] * 1000.0 if to_bytes > 0 else 0.0
     floor_dec = max(now, fr[1, d]) if contention else now
     best_i, best_score, best_ttft, best_hit = -1, 0.0, 0.0, 0
