@@ -208,7 +208,12 @@ class ClusterState:
         self.decode_context_tokens = self.i_rows[1, :n]  # their KV tokens
         self.outstanding_tokens = self.i_rows[2, :n]  # prefill tokens queued or running
         self.outstanding_requests = self.i_rows[3, :n]  # prefills queued or running
-        self.link_busy_until_ms = 0.0  # the remote prefill link
+        self.link_busy_until_ms = 0.0  # the remote prefill link: the transfer on it ends then
+        # (ready ms, ms on the link) of each remote prefill placed but not yet on the link (its prefill is
+        # queued or running), sorted: the link is a FIFO in the order transfers become ready, so a plan
+        # waits behind those ready before it. Without them the link looked idle while transfers queued
+        # up behind the remote prefills, and paas kept offloading behind a slow link.
+        self.link_pending: list[tuple[float, float]] = []
         self.index = LocationIndex(n + 1)
         self.block_bytes = cost.kv_bytes_per_token * spec.block_tokens
         self.prefill_arr = np.arange(spec.num_prefill)
@@ -328,7 +333,7 @@ class ClusterState:
             else (req.input_tokens - dec_has) * cost.kv_bytes_per_token + cost.state_bytes_per_request
         )
         if role == "remote":
-            send = max(done, self.link_busy_until_ms)
+            send = max(done, self.link_free_ms(done))
             first = send + float(
                 transfer_ms(to_bytes, spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms)
             )
@@ -360,6 +365,16 @@ class ClusterState:
             first,
             first - now,
         )
+
+    def link_free_ms(self, ready_ms: float) -> float:
+        """When the remote link can take a transfer ready at ``ready_ms``: after the one on it and every
+        placed transfer ready before it (FIFO by ready time, as the simulator sends them)."""
+        t = self.link_busy_until_ms
+        for ready, on_link in self.link_pending:
+            if ready > ready_ms:
+                break
+            t = max(t, ready) + on_link
+        return t
 
     def predicted_tpot_ms(self, req: RouteRequest, members: np.ndarray | slice) -> np.ndarray:
         """Decode step time on each of ``members`` once ``req`` joins (``decode_step_ms``, inlined)."""

@@ -30,6 +30,7 @@ and the remote-prefill link is one FIFO.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from collections import deque
@@ -203,10 +204,12 @@ class Simulator:
         state, spec = self.state, self.spec
         start = first = t
         if remote:
-            start = max(t, state.link_busy_until_ms)
-            first = start + float(
+            on_link_ms = float(
                 transfer_ms(to_bytes, spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms)
             )
+            state.link_pending.remove((t, on_link_ms))  # placed -> on the link
+            start = max(t, state.link_busy_until_ms)
+            first = start + on_link_ms
             state.link_busy_until_ms = first
             if spec.pool_blocks != 0:
                 self._push_pool_write(first, put_bytes, hashes)
@@ -382,7 +385,15 @@ class Simulator:
             self._push(first, _DECODE_JOIN, (dm, i))
         else:
             # the KV goes to the decode node once the prefill is done: its NICs (or the remote link) are
-            # taken then, in the order transfers become ready, not reserved from now on
+            # taken then, in the order transfers become ready, not reserved from now on; a remote one is
+            # pending on it until then (``ClusterState.link_pending``)
+            if kind == "remote":
+                on_link_ms = float(
+                    transfer_ms(
+                        plan.to_decode_bytes, spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms
+                    )
+                )
+                bisect.insort(state.link_pending, (done, on_link_ms))
             self._push(done, _SEND, (i, m, dm, plan.to_decode_bytes, kind == "remote", put_bytes, req.hashes))
         out.prefill_start_ms[i] = plan.prefill_start_ms
         out.hit_local[i] = plan.local_blocks

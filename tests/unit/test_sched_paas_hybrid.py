@@ -22,7 +22,9 @@ from kvpool.scheduler.cost_model import (
     from_architecture,
 )
 from kvpool.scheduler.hardware import NodePreset, cluster_from_preset, get_node_preset
+from kvpool.scheduler.policy_paas import PaasPolicy
 from kvpool.scheduler.runner import Workload, run_policy
+from kvpool.scheduler.simulator import Simulator
 from kvpool.scheduler.workloads import generate, workload_spec
 
 Q_H20 = get_node_preset("qwen3-next-80b-h20x8")
@@ -99,6 +101,35 @@ def test_hybrid_presets_load_and_the_linear_state_travels_with_the_kv() -> None:
     assert plan.to_decode_bytes == 2000 * 24_576 + 39_518_208
     ttft, _ = st.plan_ttft_vector(r, st.prefill_arr, st.prefix_lengths(r.hashes), 1)
     assert float(ttft[0]) == pytest.approx(plan.ttft_ms, rel=1e-12)  # the vector form counts it too
+
+
+def test_paas_counts_the_remote_transfers_already_placed() -> None:
+    """The link backlog includes transfers placed but not yet on the link (their prefill runs): a remote
+    side that looks idle while placed transfers queue for the link is no longer picked."""
+    spec = cluster_from_preset(
+        Q_H20, num_prefill=1, num_decode=1, num_remote_prefill=1, remote_link_bandwidth_bytes_per_s=25e9 / 8
+    )
+    st = ClusterState(spec, Q_H20.cost_model(), {"remote": Q_H200.cost_model()})
+    r = RouteRequest([bytes([i]) * 16 for i in range(60)], 60 * 512, 100, SLO)
+    st.busy_until_ms[0] = 2_000.0  # the local prefill node is 2 s behind
+    assert PaasPolicy().decide(r, st).prefill_kind == "remote"
+    lens = st.prefix_lengths(r.hashes)
+    alone = st.plan_prefill(r, 2, lens, 1)
+    st.link_pending = [(alone.done_ms + 1.0, 5_000.0)]  # ready after this one: behind it in the FIFO
+    assert st.plan_prefill(r, 2, lens, 1).to_decode_start_ms == alone.to_decode_start_ms
+    st.link_pending = [(0.0, 2_500.0), (1.0, 2_500.0)]  # 5 s of placed transfers ready before it
+    assert st.plan_prefill(r, 2, lens, 1).to_decode_start_ms == 5_000.0
+    assert PaasPolicy().decide(r, st).prefill_kind == "instance"
+
+
+def test_every_placed_remote_transfer_leaves_the_pending_list() -> None:
+    """The simulator adds each remote transfer to ``link_pending`` when it places it and removes it when
+    the transfer takes the link; after a replay nothing is left (a leak would inflate every later plan)."""
+    work = _docqa(150, 8.0)
+    roles = {"prefill": Q_H20.cost_model(), "decode": Q_H20.cost_model(), "remote": Q_H200.cost_model()}
+    sim = Simulator(_hetero(Q_H20, Q_H20, 25.0), Q_H20.cost_model(), PaasPolicy(), SLO, role_costs=roles)
+    out = sim.run(work.trace)
+    assert (out.prefill_kind == 2).sum() > 10 and sim.state.link_pending == []
 
 
 def _docqa(requests: int, rate_rps: float) -> Workload:
