@@ -10,8 +10,10 @@ file, and is stopped by PID (SIGTERM, then SIGKILL) in teardown.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -110,9 +112,15 @@ def _arena_parent() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def _probe(address: str, tls_root_certs: bytes | None = None) -> bool:
+_ARENA_PID = re.compile(r"-(\d+)-[0-9a-f]{8}\.arena$")
+
+
+def _probe(address: str, tls_root_certs: bytes | None = None, pid: int = 0) -> bool:
     """True once the daemon answers a real Stats call (a daemon with credentials answers
-    this token-less call UNAUTHENTICATED: that is an answer too)."""
+    this token-less call UNAUTHENTICATED: that is an answer too). With ``pid``, a daemon whose
+    arena file names another process (``<hint>-<pid>-<id>.arena``) does not count: under
+    parallel runs another test's daemon could hold the port ours failed to bind, and a test
+    must not talk to it (ours exits, and the caller reports why)."""
     import grpc
 
     from kvpool.proto import pool_pb2, pool_pb2_grpc
@@ -128,8 +136,9 @@ def _probe(address: str, tls_root_certs: bytes | None = None) -> bool:
     else:
         channel = grpc.insecure_channel(address)
     try:
-        pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
-        return True
+        reply = pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
+        named = _ARENA_PID.search(str(json.loads(reply.json).get("arena_path", "")))
+        return not pid or named is None or int(named.group(1)) == pid
     except grpc.RpcError as exc:
         return exc.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
@@ -178,7 +187,7 @@ def start_daemon(
             text = handle.stderr()
             handle.cleanup()
             raise RuntimeError(f"kvpool daemon on {address} exited with {proc.returncode} at start:\n{text}")
-        if _probe(address, tls_root_certs):
+        if _probe(address, tls_root_certs, proc.pid):
             return handle
         if time.monotonic() > deadline:
             text = handle.stderr()

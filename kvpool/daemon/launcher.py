@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,8 +38,39 @@ from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.proto import directory_pb2, directory_pb2_grpc, pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import make_channel
 
+#: the lowest port ``free_port`` draws from; it draws below the kernel's ephemeral range
+FREE_PORT_FLOOR = 10_000
+FREE_PORT_TRIES = 64
+
+
+def _ephemeral_floor() -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a server about to be started on it.
+
+    Drawn at random *below* the kernel's ephemeral range: a port the kernel picked (``bind`` to
+    port 0) comes from the range every outgoing connection and every other port-0 server of the
+    host also draws from, so between this call and the server's own ``bind`` it can be taken by
+    one of them -- and a process that then probes "its" port may find another process's server
+    there (seen in parallel test runs). Ports below the range are taken only by explicit binds.
+    Falls back to a kernel-picked port when that range is too small to draw from."""
+    top = _ephemeral_floor()
+    if top - FREE_PORT_FLOOR >= 1_000:
+        for _ in range(FREE_PORT_TRIES):
+            port = FREE_PORT_FLOOR + secrets.randbelow(top - FREE_PORT_FLOOR)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a port in TIME_WAIT is not free either
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
