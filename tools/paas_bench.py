@@ -272,6 +272,16 @@ def part_paas(
     return res
 
 
+def plot(res: dict[str, Any], directory: pathlib.Path) -> pathlib.Path:
+    """SLO attainment against request rate for each hybrid cluster (the goodput searches' probes)."""
+    from kvpool.scheduler.plots import goodput_vs_rate
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "sched_paas_hybrid_goodput.png"
+    goodput_vs_rate(path, {k: [tuple(p) for p in v["probes"]] for k, v in res["hybrid_goodput"].items()})
+    return path
+
+
 def main() -> int:
     """Run the part alone (the same as ``tools/bench_sched.py --parts paas``, without the other workloads)."""
     from kvpool.scheduler.trace import load_trace
@@ -281,11 +291,18 @@ def main() -> int:
     ap.add_argument("--trace", default=str(root.parent / "shared" / "data" / "conversation_trace.jsonl"))
     ap.add_argument("--out", default=str(root / "out" / "paas_bench.json"))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--plots", default="", help="directory for the goodput PNG (e.g. docs/img)")
+    ap.add_argument("--replot", default="", help="only draw the PNG from a saved --out JSON (no replays)")
     args = ap.parse_args()
-    res = part_paas(Workload.of(load_trace(args.trace)), args.jobs)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"paas": res}, indent=1, default=str))
+    if args.replot:
+        res = json.loads(pathlib.Path(args.replot).read_text())["paas"]
+    else:
+        res = part_paas(Workload.of(load_trace(args.trace)), args.jobs)
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"paas": res}, indent=1, default=str))
+    if args.plots:
+        print(f"wrote {plot(res, pathlib.Path(args.plots))}", file=sys.stderr)
     return 0
 
 
