@@ -47,8 +47,12 @@ sys.path.insert(0, ROOT)
 from kvpool.client.cluster_client import ClusterClient  # noqa: E402
 from kvpool.core.spec import KVSpec  # noqa: E402
 from kvpool.daemon.cluster_local import LocalCluster, free_port, wait_until  # noqa: E402
+from kvpool.daemon.launcher import Proc  # noqa: E402
 from kvpool.transport.base import ReadItem  # noqa: E402
 from kvpool.transport.factory import make_transport, nixl_available, ucx_available  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_pool import reserved_huge_pages  # noqa: E402
 
 MiB = 1 << 20
 
@@ -92,9 +96,16 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
 # -- kvpool ------------------------------------------------------------------------------
 @contextlib.contextmanager
 def kvpool_batches(
-    directory: str, a_addr: str, b_addr: str, block_kib: int, blocks: int, transports: list[str]
+    directory: str,
+    a_addr: str,
+    b_addr: str,
+    block_kib: int,
+    blocks: int,
+    transports: list[str],
+    suffix: str = "",
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
-    """Blocks written to the node at ``a_addr``; readers attached to node B (another host name)."""
+    """Blocks written to the node at ``a_addr``; readers attached to node B (another host name).
+    ``suffix`` tells holders of another arena kind apart in the batch names ("/huge")."""
     spec = spec_for(block_kib)
     data = np.random.default_rng(block_kib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
     salt = a_addr.encode()  # each holder its own blocks: a reader cannot be served by the other holder
@@ -126,8 +137,8 @@ def kvpool_batches(
                 got = transport.read(holder.data_address, ns, items, list(rows))
                 assert got.ok == blocks, got.reason
 
-            batches[f"kvpool {kind} cluster get"] = cluster_get
-            batches[f"kvpool {kind} transport"] = raw_read
+            batches[f"kvpool {kind}{suffix} cluster get"] = cluster_get
+            batches[f"kvpool {kind}{suffix} transport"] = raw_read
 
         def verify() -> None:
             assert np.array_equal(out, data)
@@ -333,27 +344,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_blocks:
         cases.append((args.prompt_block_kib, args.prompt_blocks))
     try:
-        with LocalCluster(workdir) as cluster:
+        with contextlib.ExitStack() as stack_outer, LocalCluster(workdir) as cluster:
             directory = cluster.start_directory(etcd=False).address
             largest = max(kib * n for kib, n in cases) >> 10
-            capacity = f"{max(largest * 2 + 64, 256)}MiB"
-            a = cluster.start_node(
-                "node-a", [directory], etcd=False, capacity=capacity, transport="ucx" if "ucx" in transports else "tcp"
-            )
+            capacity_mib = max(largest * 2 + 64, 256)
+            capacity = f"{capacity_mib}MiB"
+            # (suffix, ucx/tcp holder, nixl holder): 4 KiB-page arenas, and with --arena-huge-pages
+            # a second pair on reserved huge pages, measured interleaved in the same batches
+            holders: list[tuple[str, Proc, Proc | None]] = []
+            kinds: list[tuple[str, list[str]]] = [("", [])]
+            if args.arena_huge_pages:  # the holders' arenas on reserved huge pages (root)
+                if not stack_outer.enter_context(reserved_huge_pages(2 * capacity_mib * MiB)):
+                    raise SystemExit("--arena-huge-pages: cannot reserve huge pages here (run as root)")
+                kinds.append(("/huge", ["--arena-huge-pages", "on"]))
+            for suffix, extra in kinds:
+                tag = suffix.replace("/", "-")
+                a = cluster.start_node(
+                    f"node-a{tag}",
+                    [directory],
+                    etcd=False,
+                    capacity=capacity,
+                    transport="ucx" if "ucx" in transports else "tcp",
+                    extra=extra,
+                )
+                n = (
+                    cluster.start_node(
+                        f"node-n{tag}", [directory], etcd=False, capacity=capacity, transport="nixl", extra=extra
+                    )
+                    if with_nixl
+                    else None
+                )
+                holders.append((suffix, a, n))
+            a = holders[0][1]
             b = cluster.start_node("node-b", [directory], etcd=False, capacity="256MiB")
             c = cluster.start_node("node-c", [directory], etcd=False, capacity="256MiB")
-            n = (
-                cluster.start_node("node-n", [directory], etcd=False, capacity=capacity, transport="nixl")
-                if with_nixl
-                else None
-            )
             for block_kib, blocks in cases:
                 with contextlib.ExitStack() as stack:
                     batches: dict[str, Batch] = {}
                     checks: list[Callable[[], None]] = []
-                    setups = [kvpool_batches(directory, a.address, b.address, block_kib, blocks, transports)]
-                    if n is not None:
-                        setups.append(kvpool_batches(directory, n.address, b.address, block_kib, blocks, ["nixl"]))
+                    setups = []
+                    for suffix, holder, nixl_holder in holders:
+                        setups.append(
+                            kvpool_batches(directory, holder.address, b.address, block_kib, blocks, transports, suffix)
+                        )
+                        if nixl_holder is not None:
+                            setups.append(
+                                kvpool_batches(
+                                    directory, nixl_holder.address, b.address, block_kib, blocks, ["nixl"], suffix
+                                )
+                            )
                     if not args.skip_mooncake:
                         setups.append(mooncake_batches(block_kib, blocks, workdir))
                     if not args.skip_redis and shutil.which("redis-server") and importlib.util.find_spec("redis"):
@@ -387,12 +426,20 @@ def print_row(label: str, row: dict[str, float]) -> None:
         for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
             if base in row:
                 print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
-    for level in ("cluster get", "transport"):  # the issue-17 target: nixl vs the fastest other kvpool
-        nixl = row.get(f"kvpool nixl {level}")
-        others = {k: v for k, v in row.items() if k.startswith("kvpool") and k.endswith(level) and "nixl" not in k}
-        if nixl is not None and others:
-            best = max(others, key=lambda k: others[k])
-            print(f"  ratio kvpool nixl {level} / {best:24s} {nixl / others[best]:6.2f}x")
+    for suffix in ("", "/huge"):  # the issue-17 target: nixl vs the fastest other kvpool, per arena kind
+        for level in ("cluster get", "transport"):
+            nixl = row.get(f"kvpool nixl{suffix} {level}")
+            others = {
+                k: v
+                for k, v in row.items()
+                if k.startswith("kvpool")
+                and k.endswith(level)
+                and "nixl" not in k
+                and (("/huge" in k) == (suffix == "/huge"))
+            }
+            if nixl is not None and others:
+                best = max(others, key=lambda k: others[k])
+                print(f"  ratio kvpool nixl{suffix} {level} / {best:24s} {nixl / others[best]:6.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-blocks", type=int, default=512, help="a whole prompt in one batch (0 = skip)")
     parser.add_argument("--prompt-block-kib", type=int, default=256, help="its block size (2 tokens x 128 KiB)")
     parser.add_argument("--no-netns", action="store_true", help="do not re-execute inside `unshare -n`")
+    parser.add_argument(
+        "--arena-huge-pages",
+        action="store_true",
+        help="start the holder nodes with --arena-huge-pages on (reserves the huge pages: root); "
+        "Mooncake's segments stay as Mooncake allocates them",
+    )
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--mooncake-writer", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
