@@ -97,9 +97,12 @@ def main() -> int:
     for key in ("workloads_regime", "workloads_local"):
         for kind, res in rep.get(key, {}).items():
             print(f"### workload {kind}\n\n{regime(res, f'{kind}, ')}")
-    for key, res in rep.get("paas", {}).items():
-        if isinstance(res, list):
-            print(f"#### {key}\n\n{table(res)}\n")
+    paas = rep.get("paas", {})
+    for model in ("dense", "hybrid"):  # tools/paas_bench.py: {model: {"<workload>_x<speed-up>": rows}}
+        for key, rows in paas.get(model, {}).items():  # each row's policy names its remote share
+            print(f"#### PaaS {model}, {key}\n\n{table(rows)}\n")
+    if paas.get("hybrid_goodput"):
+        print(f"#### PaaS hybrid goodput\n\n{goodput(paas['hybrid_goodput'], '90%')}\n")
     if "goodput" in rep:
         print(f"### goodput\n\n{goodput(rep['goodput'], '90%')}\n")
     if "goodput_local" in rep:
