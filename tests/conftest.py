@@ -10,10 +10,8 @@ file, and is stopped by PID (SIGTERM, then SIGKILL) in teardown.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import socket
@@ -39,6 +37,7 @@ invariants.set_enabled(True)
 os.environ[invariants.ENV_VAR] = "sampled"
 
 from kvpool.daemon.cluster_local import LocalCluster, free_port  # noqa: E402  (after the switch, on purpose)
+from kvpool.daemon.launcher import listener_pids_ok  # noqa: E402
 
 __all__ = ["free_port"]  # tests import it from here
 
@@ -112,15 +111,12 @@ def _arena_parent() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-_ARENA_PID = re.compile(r"-(\d+)-[0-9a-f]{8}\.arena$")
-
-
 def _probe(address: str, tls_root_certs: bytes | None = None, pid: int = 0) -> bool:
     """True once the daemon answers a real Stats call (a daemon with credentials answers
-    this token-less call UNAUTHENTICATED: that is an answer too). With ``pid``, a daemon whose
-    arena file names another process (``<hint>-<pid>-<id>.arena``) does not count: under
-    parallel runs another test's daemon could hold the port ours failed to bind, and a test
-    must not talk to it (ours exits, and the caller reports why)."""
+    this token-less call UNAUTHENTICATED: that is an answer too). With ``pid``, only an answer
+    from a socket process ``pid`` listens on counts (``listener_pids_ok``): under parallel runs
+    another test's daemon could hold the port ours failed to bind, and a test must not talk to
+    it (ours exits, and the caller reports why)."""
     import grpc
 
     from kvpool.proto import pool_pb2, pool_pb2_grpc
@@ -136,13 +132,13 @@ def _probe(address: str, tls_root_certs: bytes | None = None, pid: int = 0) -> b
     else:
         channel = grpc.insecure_channel(address)
     try:
-        reply = pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
-        named = _ARENA_PID.search(str(json.loads(reply.json).get("arena_path", "")))
-        return not pid or named is None or int(named.group(1)) == pid
+        pool_pb2_grpc.PoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
     except grpc.RpcError as exc:
-        return exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return False
     finally:
         channel.close()
+    return not pid or listener_pids_ok(pid, int(port))
 
 
 def start_daemon(
