@@ -238,8 +238,9 @@ A100X1 = Hardware(gpus=1, peak_flops=312e12, hbm_bytes_per_s=2.039e12)
 
 _FLOP_SOURCE = (
     "Transformer FLOP/byte model (what Mooncake FAST'25 Conductor's prefill-time prediction needs): "
-    "2*params FLOPs/token + "
-    "4*layers*hidden FLOPs per attended token pair at mfu=0.5 of datasheet peak; decode re-reads weights + KV "
+    "2*(active) params FLOPs/token (+ a hybrid model's linear-layer state FLOPs) + "
+    "4*(full-attention) layers*attention width FLOPs per attended token pair at mfu=0.5 of datasheet peak; "
+    "decode re-reads weights + KV (+ linear state) "
     "at mbu=0.7 of datasheet HBM bandwidth; 2 ms per-iteration overhead. "
 )
 

@@ -16,6 +16,10 @@ backlog or the local caches hold the prefix. ``remote_margin`` (a fraction) asks
 remote side to be that much better, a hedge against the link's latency variance.
 When the cluster has no local prefill instances, the decode node itself is the local
 candidate (decode-local prefill).
+
+The link's backlog is what ``ClusterState`` knows of it: in the simulator, the transfer on the
+link and every remote transfer placed but not yet sent (``link_pending``); the router daemon
+(``router_core``) tracks neither yet, so live routing prices the link as idle.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class RemotePrefillPolicy(Policy):
         if not self.auto or self._seen % self.recompute_every:
             return
         self._base = self._model_threshold(state)
-        backlog = state.link_busy_until_ms - state.now_ms
+        backlog = state.link_free_ms(state.now_ms) - state.now_ms  # the transfer on the link + those placed
         remote_q = float(state.queues_ms(state.remote_arr).min()) if len(state.remote_arr) else 0.0
         local_q = float(state.queues_ms(state.decode_arr).mean())
         if backlog > self.saturation_ms or remote_q > self.saturation_ms:
@@ -118,9 +118,11 @@ class RemotePrefillPolicy(Policy):
             return self._base
         span_ms = max(1.0, self._window[-1][0] - self._window[0][0])
         spec, cost = state.spec, state.cost
-        link_tokens_per_ms = spec.remote_link_bandwidth_bytes_per_s / 1000.0 / cost.kv_bytes_per_token
         lengths = np.sort(np.array([u for _, u in self._window], dtype=np.float64))[::-1]
         mean_len = max(1.0, float(lengths.mean()))
+        # a hybrid model's fixed linear state crosses the link with each request's KV
+        bytes_per_token = cost.kv_bytes_per_token + cost.state_bytes_per_request / mean_len
+        link_tokens_per_ms = spec.remote_link_bandwidth_bytes_per_s / 1000.0 / bytes_per_token
         remote_one = mean_len / float(state.role_cost["remote"].prefill_ms(mean_len, 0))
         local_one = mean_len / float(state.role_cost["decode"].prefill_ms(mean_len, 0))
         remote_cap = min(link_tokens_per_ms, len(state.remote_arr) * remote_one)

@@ -355,7 +355,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kinds: list[tuple[str, list[str]]] = [("", [])]
             if args.arena_huge_pages:  # the holders' arenas on reserved huge pages (root)
                 if not stack_outer.enter_context(reserved_huge_pages(2 * capacity_mib * MiB)):
-                    raise SystemExit("--arena-huge-pages: cannot reserve huge pages here (run as root)")
+                    raise SystemExit(
+                        "--arena-huge-pages: the huge pages could not be reserved (root is needed, and free "
+                        "memory for them: see HugePages_Free in /proc/meminfo)"
+                    )
                 kinds.append(("/huge", ["--arena-huge-pages", "on"]))
             for suffix, extra in kinds:
                 tag = suffix.replace("/", "-")

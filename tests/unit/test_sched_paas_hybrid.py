@@ -128,8 +128,25 @@ def test_every_placed_remote_transfer_leaves_the_pending_list() -> None:
     work = _docqa(150, 8.0)
     roles = {"prefill": Q_H20.cost_model(), "decode": Q_H20.cost_model(), "remote": Q_H200.cost_model()}
     sim = Simulator(_hetero(Q_H20, Q_H20, 25.0), Q_H20.cost_model(), PaasPolicy(), SLO, role_costs=roles)
+    pending = _Watched()
+    sim.state.link_pending = pending
     out = sim.run(work.trace)
-    assert (out.prefill_kind == 2).sum() > 10 and sim.state.link_pending == []
+    assert (out.prefill_kind == 2).sum() > 10
+    assert pending.inserted == (out.prefill_kind == 2).sum() and pending.most >= 2  # placed, and queued up
+    assert sim.state.link_pending == []
+
+
+class _Watched(list[tuple[float, float]]):
+    """``link_pending`` that counts what the simulator puts in it (``bisect.insort`` calls ``insert``
+    on a list subclass) and the most it held at once."""
+
+    inserted = 0
+    most = 0
+
+    def insert(self, index: int, item: tuple[float, float]) -> None:  # type: ignore[override]
+        super().insert(index, item)
+        self.inserted += 1
+        self.most = max(self.most, len(self))
 
 
 def _docqa(requests: int, rate_rps: float) -> Workload:
