@@ -15,6 +15,7 @@ from kvpool.scheduler.cluster import ClusterSpec, Slo
 from kvpool.scheduler.cost_model import CostModel
 from kvpool.scheduler.metrics import Summary, goodput_search, summarize
 from kvpool.scheduler.policies import make_policy
+from kvpool.scheduler.policy_base import Policy
 from kvpool.scheduler.simulator import RequestOutcome, Simulator
 from kvpool.scheduler.trace import TraceHasher, TraceRequest, oracle_hit_blocks
 
@@ -32,6 +33,12 @@ class Workload:
     def of(cls, trace: Sequence[TraceRequest]) -> Workload:
         span_s = max(1e-3, (trace[-1].arrival_ms - trace[0].arrival_ms) / 1000.0)
         return cls(trace, TraceHasher(), oracle_hit_blocks(trace), len(trace) / span_s)
+
+    def prehash(self) -> None:
+        """Hash every block id once now: before a pool of worker processes forks, so each worker
+        starts with the cache instead of hashing the whole trace again."""
+        for r in self.trace:
+            self.hasher.hashes(r.block_ids)
 
 
 def progress_bar(label: str, stream=None) -> Callable[[int, int], None]:  # type: ignore[no-untyped-def]
@@ -53,7 +60,7 @@ def run_policy(
     work: Workload,
     spec: ClusterSpec,
     cost: CostModel,
-    policy: str,
+    policy: str | Policy,
     slo: Slo,
     *,
     speedup: float = 1.0,
@@ -61,19 +68,21 @@ def run_policy(
     progress: bool = False,
     role_costs: Mapping[str, CostModel] | None = None,
 ) -> tuple[Summary, RequestOutcome]:
-    """One replay; ``role_costs`` gives prefill / decode / remote instances their own hardware."""
+    """One replay of a registered policy (by name) or of a policy object (an ablation, a variant);
+    ``role_costs`` gives prefill / decode / remote instances their own hardware."""
+    name = policy if isinstance(policy, str) else policy.name
     sim = Simulator(
         spec,
         cost,
-        make_policy(policy, seed),
+        make_policy(policy, seed) if isinstance(policy, str) else policy,
         slo,
         speedup=speedup,
         hasher=work.hasher,
-        progress=progress_bar(f"{policy} x{speedup:g}") if progress else None,
+        progress=progress_bar(f"{name} x{speedup:g}") if progress else None,
         role_costs=role_costs,
     )
     out = sim.run(work.trace)
-    return summarize(policy, out, slo, work.oracle_blocks, speedup, work.base_rate_rps, sim.last_time_ms), out
+    return summarize(name, out, slo, work.oracle_blocks, speedup, work.base_rate_rps, sim.last_time_ms), out
 
 
 def goodput(

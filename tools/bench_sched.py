@@ -302,9 +302,8 @@ def main() -> int:
     WORKLOADS["conversation"] = Workload.of(load_trace(args.trace))
     for kind in ("agent", "docqa", "chat"):
         WORKLOADS[kind] = Workload.of(generate(workload_spec(kind)))
-    for w in WORKLOADS.values():  # hash every block id once, before the workers fork
-        for r in w.trace:
-            w.hasher.hashes(r.block_ids)
+    for w in WORKLOADS.values():
+        w.prehash()
     report: dict[str, Any] = {
         "node": NODE.describe(),
         "cost_model": COST.name,

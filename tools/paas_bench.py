@@ -41,10 +41,9 @@ from typing import Any
 from kvpool.scheduler.cluster import ClusterSpec, ClusterState, Decision, RouteRequest, Slo
 from kvpool.scheduler.cost_model import CostModel
 from kvpool.scheduler.hardware import NodePreset, cluster_from_preset, get_node_preset
-from kvpool.scheduler.metrics import Summary, format_table, goodput_search, summarize
+from kvpool.scheduler.metrics import Summary, format_table, goodput_search
 from kvpool.scheduler.policy_paas import PaasPolicy
 from kvpool.scheduler.runner import Workload, run_policy
-from kvpool.scheduler.simulator import Simulator
 from kvpool.scheduler.workloads import generate, workload_spec
 
 H800 = get_node_preset("llama3-70b-h800x8")
@@ -181,23 +180,16 @@ def hybrid_jobs(workload: str, speedups: tuple[float, ...], slow_link_gbps: floa
 
 
 def _run(job: Job) -> tuple[Summary, float]:
-    work = _WORK[job.workload]
-    if job.policy == _PAAS_BEFORE:
-        sim = Simulator(
-            job.spec,
-            job.prefill.cost_model(),
-            PaasLinkAsBefore(),
-            SLO,
-            speedup=job.speedup,
-            hasher=work.hasher,
-            role_costs=job.roles(),
-        )
-        out = sim.run(work.trace)
-        s = summarize(job.policy, out, SLO, work.oracle_blocks, job.speedup, work.base_rate_rps, sim.last_time_ms)
-    else:
-        s, out = run_policy(
-            work, job.spec, job.prefill.cost_model(), job.policy, SLO, speedup=job.speedup, role_costs=job.roles()
-        )
+    policy = PaasLinkAsBefore() if job.policy == _PAAS_BEFORE else job.policy
+    s, out = run_policy(
+        _WORK[job.workload],
+        job.spec,
+        job.prefill.cost_model(),
+        policy,
+        SLO,
+        speedup=job.speedup,
+        role_costs=job.roles(),
+    )
     remote_share = float((out.prefill_kind == 2).sum()) / max(1, int((~out.rejected).sum()))
     print(f"{job.workload} {job.label} x{job.speedup:g}: remote share {remote_share:.1%}", file=sys.stderr, flush=True)
     return dataclasses.replace(s, policy=f"{job.label} [{remote_share:.0%} remote]"), remote_share
@@ -220,9 +212,8 @@ def _goodput_star(args: tuple[Job, float, int]) -> tuple[float, list[tuple[float
 
 def _prepare(works: dict[str, Workload]) -> None:
     _WORK.update(works)
-    for w in works.values():  # hash every block id once, before the workers fork
-        for r in w.trace:
-            w.hasher.hashes(r.block_ids)
+    for w in works.values():
+        w.prehash()
 
 
 def _tables(title: str, jobs: list[Job], rows: list[tuple[Summary, float]]) -> dict[str, Any]:
