@@ -146,7 +146,7 @@ class Architecture:
         full = self.full_attention_layers
         if full is not None and not 0 <= full <= self.num_layers:
             raise InvalidArgument(f"full_attention_layers must be in [0, {self.num_layers}], got {full}")
-        if full is None and (self.linear_state_bytes or self.linear_flops_per_token):
+        if (full is None or full == self.num_layers) and (self.linear_state_bytes or self.linear_flops_per_token):
             raise InvalidArgument("a linear state needs linear layers: set full_attention_layers < num_layers")
         if self.active_params is not None and not 0 < self.active_params <= self.params:
             raise InvalidArgument(f"active_params must be in (0, params], got {self.active_params}")

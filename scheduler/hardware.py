@@ -90,77 +90,69 @@ class NodePreset:
         }
 
 
+@dataclass(frozen=True)
+class _Node:
+    """One node's hardware, whatever model it runs: GPUs, HBM per GPU, NICs, PCIe (datasheets)."""
+
+    key: str
+    source: str
+    hw: Hardware
+    hbm_bytes_per_gpu: float
+    nic_bytes_per_s: float
+    pcie_bytes_per_s: float
+
+
+_DRAM = " 1 TB host DRAM for KV (assumption)."
+_A800 = _Node(
+    "a800x8",
+    "8x A800 80GB SXM (Mooncake FAST'25's testbed: 4x 200 Gbps RDMA per node);",
+    A800X8,
+    80e9,
+    100e9,
+    100e9,
+)
+_H800 = _Node(
+    "h800x8", "8x H800 80GB SXM: the compute-dense prefill part; 8x 400 Gbps NICs;", H800X8, 80e9, 400e9, 200e9
+)
+_H20 = _Node(
+    "h20x8",
+    "8x H20 96GB: the bandwidth-rich, compute-poor decode part (4.0 TB/s, 148 TFLOPS bf16); 8x 400 Gbps NICs;",
+    H20X8,
+    96e9,
+    400e9,
+    200e9,
+)
+_H200 = _Node(
+    "h200x8",
+    "8x H200 141GB SXM (989 TFLOPS bf16, 4.8 TB/s): the compute-dense remote prefill part; 8x 400 Gbps NICs;",
+    H200X8,
+    141e9,
+    400e9,
+    200e9,
+)
+#: (preset prefix, model description, architecture, the nodes it is preset on). Qwen3-Next-80B-A3B (hybrid
+#: attention: 12 of 48 layers keep KV, 24 KiB/token; 37.7 MiB of linear state per request; 3B active of
+#: 80B) is the model class Prefill-as-a-Service is built for.
+_MODELS: tuple[tuple[str, str, Architecture, tuple[_Node, ...]], ...] = (
+    ("llama3-70b", "LLaMA3-70B", LLAMA3_70B, (_A800, _H800, _H20)),
+    ("qwen3-next-80b", "Qwen3-Next-80B-A3B (hybrid attention)", QWEN3_NEXT_80B, (_H800, _H200, _H20)),
+)
+
 NODE_PRESETS: dict[str, NodePreset] = {
     p.name: p
     for p in (
         NodePreset(
-            "llama3-70b-a800x8",
-            "LLaMA3-70B on 8x A800 80GB SXM (Mooncake FAST'25's testbed: 4x 200 Gbps RDMA per node); "
-            "1 TB host DRAM for KV (assumption).",
-            LLAMA3_70B,
-            A800X8,
-            hbm_bytes_per_gpu=80e9,
+            f"{prefix}-{node.key}",
+            f"{model} on {node.source}{_DRAM}",
+            arch,
+            node.hw,
+            hbm_bytes_per_gpu=node.hbm_bytes_per_gpu,
             host_dram_kv_bytes=1e12,
-            nic_bytes_per_s=100e9,
-            pcie_bytes_per_s=100e9,
-        ),
-        NodePreset(
-            "llama3-70b-h800x8",
-            "LLaMA3-70B on 8x H800 80GB SXM: the compute-dense prefill part; 8x 400 Gbps NICs; "
-            "1 TB host DRAM for KV (assumption).",
-            LLAMA3_70B,
-            H800X8,
-            hbm_bytes_per_gpu=80e9,
-            host_dram_kv_bytes=1e12,
-            nic_bytes_per_s=400e9,
-            pcie_bytes_per_s=200e9,
-        ),
-        NodePreset(
-            "llama3-70b-h20x8",
-            "LLaMA3-70B on 8x H20 96GB: the bandwidth-rich decode part (4.0 TB/s, 148 TFLOPS bf16); "
-            "8x 400 Gbps NICs; 1 TB host DRAM for KV (assumption).",
-            LLAMA3_70B,
-            H20X8,
-            hbm_bytes_per_gpu=96e9,
-            host_dram_kv_bytes=1e12,
-            nic_bytes_per_s=400e9,
-            pcie_bytes_per_s=200e9,
-        ),
-        # Qwen3-Next-80B-A3B (hybrid attention: 12 of 48 layers keep KV, 24 KiB/token; 37.7 MiB of linear
-        # state per request; 3B active of 80B): the model class Prefill-as-a-Service is built for.
-        NodePreset(
-            "qwen3-next-80b-h800x8",
-            "Qwen3-Next-80B-A3B (hybrid attention) on 8x H800 80GB SXM; 8x 400 Gbps NICs; "
-            "1 TB host DRAM for KV (assumption).",
-            QWEN3_NEXT_80B,
-            H800X8,
-            hbm_bytes_per_gpu=80e9,
-            host_dram_kv_bytes=1e12,
-            nic_bytes_per_s=400e9,
-            pcie_bytes_per_s=200e9,
-        ),
-        NodePreset(
-            "qwen3-next-80b-h200x8",
-            "Qwen3-Next-80B-A3B (hybrid attention) on 8x H200 141GB SXM (989 TFLOPS bf16, 4.8 TB/s): "
-            "the compute-dense remote prefill part; 8x 400 Gbps NICs; 1 TB host DRAM for KV (assumption).",
-            QWEN3_NEXT_80B,
-            H200X8,
-            hbm_bytes_per_gpu=141e9,
-            host_dram_kv_bytes=1e12,
-            nic_bytes_per_s=400e9,
-            pcie_bytes_per_s=200e9,
-        ),
-        NodePreset(
-            "qwen3-next-80b-h20x8",
-            "Qwen3-Next-80B-A3B (hybrid attention) on 8x H20 96GB (148 TFLOPS bf16, 4.0 TB/s): the "
-            "bandwidth-rich, compute-poor part; 8x 400 Gbps NICs; 1 TB host DRAM for KV (assumption).",
-            QWEN3_NEXT_80B,
-            H20X8,
-            hbm_bytes_per_gpu=96e9,
-            host_dram_kv_bytes=1e12,
-            nic_bytes_per_s=400e9,
-            pcie_bytes_per_s=200e9,
-        ),
+            nic_bytes_per_s=node.nic_bytes_per_s,
+            pcie_bytes_per_s=node.pcie_bytes_per_s,
+        )
+        for prefix, model, arch, nodes in _MODELS
+        for node in nodes
     )
 }
 

@@ -79,6 +79,8 @@ def test_invalid_hybrid_configs_are_clear_errors() -> None:
         dataclasses.replace(LLAMA3_8B, full_attention_layers=33)
     with pytest.raises(InvalidArgument, match="linear layers"):
         dataclasses.replace(LLAMA3_8B, linear_state_bytes=1)
+    with pytest.raises(InvalidArgument, match="linear layers"):  # every layer full attention: no linear layer
+        dataclasses.replace(LLAMA3_8B, full_attention_layers=32, linear_flops_per_token=1.0)
     with pytest.raises(InvalidArgument, match="active_params"):
         dataclasses.replace(LLAMA3_8B, active_params=9e9)
 
