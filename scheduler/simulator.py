@@ -200,16 +200,13 @@ class Simulator:
         A NIC is taken only from the moment a transfer is ready: reserving it at decision time until
         the (seconds later) end of the transfer would block the earlier, idle part for every other
         transfer (a 10 s prefill held its decode node's ingress for 10 s)."""
-        i, m, dm, to_bytes, remote, put_bytes, hashes = payload
+        i, m, dm, to_bytes, pending, put_bytes, hashes = payload
         state, spec = self.state, self.spec
         start = first = t
-        if remote:
-            on_link_ms = float(
-                transfer_ms(to_bytes, spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms)
-            )
-            state.link_pending.remove((t, on_link_ms))  # placed -> on the link
+        if pending is not None:  # a remote prefill's KV: (ready ms, ms on the link), placed -> on the link
+            state.link_pending.remove(pending)
             start = max(t, state.link_busy_until_ms)
-            first = start + on_link_ms
+            first = start + pending[1]
             state.link_busy_until_ms = first
             if spec.pool_blocks != 0:
                 self._push_pool_write(first, put_bytes, hashes)
@@ -387,14 +384,12 @@ class Simulator:
             # the KV goes to the decode node once the prefill is done: its NICs (or the remote link) are
             # taken then, in the order transfers become ready, not reserved from now on; a remote one is
             # pending on it until then (``ClusterState.link_pending``)
+            pending = None
             if kind == "remote":
-                on_link_ms = float(
-                    transfer_ms(
-                        plan.to_decode_bytes, spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms
-                    )
-                )
-                bisect.insort(state.link_pending, (done, on_link_ms))
-            self._push(done, _SEND, (i, m, dm, plan.to_decode_bytes, kind == "remote", put_bytes, req.hashes))
+                link = spec.remote_link_bandwidth_bytes_per_s, spec.remote_link_latency_ms
+                pending = (done, float(transfer_ms(plan.to_decode_bytes, *link)))
+                bisect.insort(state.link_pending, pending)
+            self._push(done, _SEND, (i, m, dm, plan.to_decode_bytes, pending, put_bytes, req.hashes))
         out.prefill_start_ms[i] = plan.prefill_start_ms
         out.hit_local[i] = plan.local_blocks
         out.hit_pool[i] = plan.pool_blocks

@@ -37,7 +37,7 @@ invariants.set_enabled(True)
 os.environ[invariants.ENV_VAR] = "sampled"
 
 from kvpool.daemon.cluster_local import LocalCluster, free_port  # noqa: E402  (after the switch, on purpose)
-from kvpool.daemon.launcher import listener_pids_ok  # noqa: E402
+from kvpool.daemon.launcher import listens_on  # noqa: E402
 
 __all__ = ["free_port"]  # tests import it from here
 
@@ -114,7 +114,7 @@ def _arena_parent() -> str | None:
 def _probe(address: str, tls_root_certs: bytes | None = None, pid: int = 0) -> bool:
     """True once the daemon answers a real Stats call (a daemon with credentials answers
     this token-less call UNAUTHENTICATED: that is an answer too). With ``pid``, only an answer
-    from a socket process ``pid`` listens on counts (``listener_pids_ok``): under parallel runs
+    from a socket process ``pid`` listens on counts (``listens_on``): under parallel runs
     another test's daemon could hold the port ours failed to bind, and a test must not talk to
     it (ours exits, and the caller reports why)."""
     import grpc
@@ -138,7 +138,7 @@ def _probe(address: str, tls_root_certs: bytes | None = None, pid: int = 0) -> b
             return False
     finally:
         channel.close()
-    return not pid or listener_pids_ok(pid, int(port))
+    return not pid or listens_on(pid, int(port))
 
 
 def start_daemon(

@@ -76,29 +76,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def listener_pids_ok(pid: int, port: int) -> bool:
-    """Whether the TCP socket listening on ``port`` belongs to process ``pid`` (True when this host
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the TCP socket listening on ``port`` (True where this host
     cannot tell: no /proc). A readiness probe that only asks "does something answer on the port"
     can be answered by another process that took the port first (``free_port`` reserves nothing):
     then ours has failed to bind and is exiting, and the caller must not talk to the other one."""
+    if not os.path.isdir("/proc/net"):
+        return True
     inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            next(fh, None)
+            for line in fh:  # local_address (hex ip:port), state (0A = LISTEN), inode
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return False  # nothing listens on the port yet
+    fd_dir = f"/proc/{pid}/fd"
     try:
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with contextlib.suppress(FileNotFoundError), open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f"socket:[{fields[9]}]")  # state 0A = LISTEN
-        fd_dir = f"/proc/{pid}/fd"
-        if not inodes or not os.path.isdir(fd_dir):
-            return not os.path.isdir("/proc/net")  # nothing listens yet (or no /proc: cannot tell)
-        for fd in os.listdir(fd_dir):
-            with contextlib.suppress(OSError):
-                if os.readlink(os.path.join(fd_dir, fd)) in inodes:
-                    return True
+        fds = os.listdir(fd_dir)
     except OSError:
-        return True  # /proc unreadable here: cannot tell
+        return False  # the process is gone
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(os.path.join(fd_dir, fd)) in inodes:
+                return True
     return False
 
 
@@ -406,7 +409,7 @@ class LocalCluster:
             with self._channel(address) as ch:
                 stats = pool_pb2_grpc.PoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=1, metadata=self._metadata)
             # only our node's answer counts: its arena path is what kill() unlinks after a SIGKILL
-            if not listener_pids_ok(proc.popen.pid, int(address.rsplit(":", 1)[1])):
+            if not listens_on(proc.popen.pid, int(address.rsplit(":", 1)[1])):
                 return False
             proc.extra["arena_path"] = json.loads(stats.json).get("arena_path", "")
             return True

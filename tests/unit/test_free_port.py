@@ -1,6 +1,6 @@
 """``free_port``: a port a server can bind now, drawn below the kernel's ephemeral range so that
 outgoing connections and port-0 servers (which draw from that range) cannot take it between
-the call and the server's bind; and ``listener_pids_ok``, with which readiness probes make sure
+the call and the server's bind; and ``listens_on``, with which readiness probes make sure
 the server answering on "our" port is ours (both seen as a CI failure under parallel runs)."""
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def test_free_port_skips_a_taken_port(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="needs /proc")
-def test_listener_pids_ok_tells_whose_socket_listens_on_a_port() -> None:
+def test_listens_on_tells_whose_socket_listens_on_a_port() -> None:
     with socket.socket() as mine:
         mine.bind(("127.0.0.1", 0))
         port = mine.getsockname()[1]
-        assert not launcher.listener_pids_ok(os.getpid(), port)  # bound, not listening yet
+        assert not launcher.listens_on(os.getpid(), port)  # bound, not listening yet
         mine.listen(1)
-        assert launcher.listener_pids_ok(os.getpid(), port)
+        assert launcher.listens_on(os.getpid(), port)
     child = subprocess.Popen(
         [sys.executable, "-c", "import socket,sys,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(1);"
          "print(s.getsockname()[1], flush=True); time.sleep(60)"],
@@ -62,8 +62,8 @@ def test_listener_pids_ok_tells_whose_socket_listens_on_a_port() -> None:
     try:
         assert child.stdout is not None
         theirs = int(child.stdout.readline())
-        assert launcher.listener_pids_ok(child.pid, theirs)
-        assert not launcher.listener_pids_ok(os.getpid(), theirs)  # another process's server on the port
+        assert launcher.listens_on(child.pid, theirs)
+        assert not launcher.listens_on(os.getpid(), theirs)  # another process's server on the port
     finally:
         child.kill()
         child.wait()
