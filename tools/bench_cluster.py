@@ -103,9 +103,11 @@ def kvpool_batches(
     blocks: int,
     transports: list[str],
     suffix: str = "",
+    one_stream: bool = False,
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
     """Blocks written to the node at ``a_addr``; readers attached to node B (another host name).
-    ``suffix`` tells holders of another arena kind apart in the batch names ("/huge")."""
+    ``suffix`` tells holders of another arena kind apart in the batch names ("/huge");
+    ``one_stream``: also a reader whose reads stay on one connection ("1 stream" rows)."""
     spec = spec_for(block_kib)
     data = np.random.default_rng(block_kib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
     salt = a_addr.encode()  # each holder its own blocks: a reader cannot be served by the other holder
@@ -121,13 +123,16 @@ def kvpool_batches(
     batches: dict[str, Batch] = {}
     with contextlib.ExitStack() as stack:
         readers: list[ClusterClient] = []
-        for kind in transports:
+        for kind, streams in [(kind, 0) for kind in transports] + [(kind, 1) for kind in transports if one_stream]:
             reader = stack.enter_context(
-                ClusterClient.connect(spec, salt=salt, directory=[directory], local=b_addr, transport=kind)
+                ClusterClient.connect(
+                    spec, salt=salt, directory=[directory], local=b_addr, transport=kind, read_streams=streams
+                )
             )
             readers.append(reader)
-            transport = make_transport(kind)
+            transport = make_transport(kind, streams=streams)
             stack.callback(transport.close)
+            label = f"{kind}{suffix}" + (" 1 stream" if streams == 1 else "")
 
             def cluster_get(reader: ClusterClient = reader) -> None:
                 got = reader.get_into(hashes, out)
@@ -137,8 +142,8 @@ def kvpool_batches(
                 got = transport.read(holder.data_address, ns, items, list(rows))
                 assert got.ok == blocks, got.reason
 
-            batches[f"kvpool {kind}{suffix} cluster get"] = cluster_get
-            batches[f"kvpool {kind}{suffix} transport"] = raw_read
+            batches[f"kvpool {label} cluster get"] = cluster_get
+            batches[f"kvpool {label} transport"] = raw_read
 
         def verify() -> None:
             assert np.array_equal(out, data)
@@ -388,12 +393,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     setups = []
                     for suffix, holder, nixl_holder in holders:
                         setups.append(
-                            kvpool_batches(directory, holder.address, b.address, block_kib, blocks, transports, suffix)
+                            kvpool_batches(
+                                directory,
+                                holder.address,
+                                b.address,
+                                block_kib,
+                                blocks,
+                                transports,
+                                suffix,
+                                args.one_stream_rows,
+                            )
                         )
                         if nixl_holder is not None:
                             setups.append(
                                 kvpool_batches(
-                                    directory, nixl_holder.address, b.address, block_kib, blocks, ["nixl"], suffix
+                                    directory,
+                                    nixl_holder.address,
+                                    b.address,
+                                    block_kib,
+                                    blocks,
+                                    ["nixl"],
+                                    suffix,
+                                    args.one_stream_rows,
                                 )
                             )
                     if not args.skip_mooncake:
@@ -429,6 +450,10 @@ def print_row(label: str, row: dict[str, float]) -> None:
         for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
             if base in row:
                 print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
+    for one in [k for k in row if " 1 stream " in k]:  # --one-stream-rows: the multi-stream A/B
+        many = one.replace(" 1 stream", "")
+        if many in row:
+            print(f"  ratio {many} / 1 stream {row[many] / row[one]:6.2f}x")
     for suffix in ("", "/huge"):  # the issue-17 target: nixl vs the fastest other kvpool, per arena kind
         for level in ("cluster get", "transport"):
             nixl = row.get(f"kvpool nixl{suffix} {level}")
@@ -464,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start the holder nodes with --arena-huge-pages on (reserves the huge pages: root); "
         "Mooncake's segments stay as Mooncake allocates them",
+    )
+    parser.add_argument(
+        "--one-stream-rows",
+        action="store_true",
+        help="also time readers that keep each read on one connection (read_streams=1), interleaved "
+        "with the default ones (one stream per core, at most 4): the multi-stream A/B",
     )
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--mooncake-writer", nargs=4, help=argparse.SUPPRESS)

@@ -196,13 +196,16 @@ class ClusterClient:
         token: str = "",
         tls_root_certs: bytes | None = None,
         directory_tls_root_certs: bytes | None = None,
+        read_streams: int = 0,
     ) -> ClusterClient:
         """Find the directory (through etcd or the given addresses) and, when ``local`` is
         given, attach to that same-host node's arena. ``failover_wait_ms`` bounds how long
         this call, puts and management calls wait for a directory leader during a failover.
         ``tls_root_certs`` verifies the nodes (control and data planes),
         ``directory_tls_root_certs`` the directory (its own option: a cluster may run TLS on
-        one and not the other; pass the same CA for both where one CA signed them all)."""
+        one and not the other; pass the same CA for both where one CA signed them all).
+        ``read_streams``: the most data connections one large read from a node is spread
+        over (0 = one per core, at most 4; docs/cluster.md, Data plane)."""
         namespace = Namespace(spec, salt, adapter)
         session = EtcdSession(etcd).start() if etcd else None
         link = DirectoryLink(
@@ -219,7 +222,7 @@ class ClusterClient:
             made = cls(
                 link,
                 namespace,
-                make_transport(transport, timeout_s),
+                make_transport(transport, timeout_s, read_streams),
                 local_client,
                 host,
                 replicate_after,

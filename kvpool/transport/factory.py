@@ -74,20 +74,22 @@ def _make_data_server(kind: str, store: BlockStore, listen: str, credentials: Cr
     return TcpDataServer(store, listen, credentials=credentials)
 
 
-def make_transport(kind: str, timeout_s: float = 10.0) -> Transport:
+def make_transport(kind: str, timeout_s: float = 10.0, streams: int = 0) -> Transport:
     """A reader of ``kind``. A node with credentials admits its connections with a ticket its
-    control plane issued (``Transport.use_tickets``), never with the token itself."""
+    control plane issued (``Transport.use_tickets``), never with the token itself.
+    ``streams``: the most connections one large read is spread over (0 = one per core, at
+    most 4; ``kvpool.transport.tcp``)."""
     _check_kind(kind)
     if kind == "nixl":
         from kvpool.transport.nixl import NixlTransport, require_nixl
 
         require_nixl()
-        return NixlTransport(timeout_s=timeout_s)
+        return NixlTransport(timeout_s=timeout_s, streams=streams)
     if kind == "ucx":
         why = ucx_available()
         if not why:
             from kvpool.transport.ucx import UcxTransport
 
-            return UcxTransport(timeout_s=timeout_s)
+            return UcxTransport(timeout_s=timeout_s, streams=streams)
         log.warning("ucx data plane unavailable (%s): using tcp", why)
-    return TcpTransport(timeout_s=timeout_s)
+    return TcpTransport(timeout_s=timeout_s, streams=streams)

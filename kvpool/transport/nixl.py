@@ -212,10 +212,11 @@ class NixlTransport(TcpTransport):
     name = "nixl"
     read_op = wire.OP_NIXL_READ
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None, streams: int = 0) -> None:
         """``direct``: READ straight into the caller's rows (see the module docstring); None =
-        where the host has no RDMA devices."""
-        super().__init__(timeout_s)  # AUTH runs on the TCP connection before NIXL_HELLO
+        where the host has no RDMA devices. ``streams``: as ``TcpTransport`` (each stream's
+        connection has its own agent and its own batched READ)."""
+        super().__init__(timeout_s, streams)  # AUTH runs on the TCP connection before NIXL_HELLO
         self.direct = not has_rdma() if direct is None else direct
         self._known: dict[str, bytes] = {}  # peer -> agent metadata (the directory's, or the peer's own)
         self._from_directory: set[str] = set()  # peers whose known metadata the directory published

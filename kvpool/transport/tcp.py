@@ -9,6 +9,14 @@ per peer; bytes are received straight into the caller's buffer (``recv_into``) a
 item is checksummed right after it lands, while the kernel keeps receiving the next
 (pipelined). A pooled connection found dead before the reply (the peer restarted) is
 retried once on a fresh one; any other failure is a miss logged with the peer's address.
+
+Streams: a large read is cut into up to ``streams`` parts of about equal bytes, each read
+on a connection of its own at the same time (the first by the calling thread, the rest by
+the transport's small thread pool), each part verified by the thread that received it.
+One stream is bound by one core: on the one-sided data planes (UCX, NIXL over cma) the
+reader's kernel walks and copies the holder's pages, ~2-4 GB/s per thread here, and two
+streams read a 128 MiB batch 1.5-1.7x faster (docs/benchmarks.md); on RDMA the same parts
+go out on separate queue pairs. The result is still "the leading rows that verified".
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -54,6 +63,17 @@ MAX_IDLE_PER_PEER = 8
 STOP_JOIN_S = 10.0
 #: a pooled connection found dead before the reply header: once more, on a fresh one
 DEAD_POOLED_CONNECTION = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2)
+#: a read is spread over parallel connections only in parts of at least this many bytes
+#: (below it, a second connection's request and thread hand-off cost more than they save)
+STREAM_MIN_BYTES = 4 << 20
+#: the most parts one read is cut into (``TcpTransport(streams=)``; the default is the
+#: host's core count up to this: each stream keeps one core busy)
+MAX_STREAMS = 8
+
+
+def default_streams() -> int:
+    """Streams per read where none is asked for: one per core, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -451,15 +471,47 @@ class TcpDataServer:
         return True
 
 
+def stream_parts(row_bytes: Sequence[int], streams: int, min_bytes: int = STREAM_MIN_BYTES) -> list[tuple[int, int]]:
+    """Cut rows into at most ``streams`` runs ``(start, end)`` of about equal bytes, as many as
+    give each ``min_bytes`` on average (one run, ``[(0, n)]``, for a small read or ``streams`` 1)."""
+    total = sum(row_bytes)
+    count = max(1, min(streams, len(row_bytes), total // max(1, min_bytes)))
+    if count == 1:
+        return [(0, len(row_bytes))]
+    parts: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for i, nbytes in enumerate(row_bytes):
+        acc += nbytes
+        # close a part once its share of the bytes is in, leaving a row for each part still to come
+        if (
+            len(parts) < count - 1
+            and acc * count >= total * (len(parts) + 1)
+            and len(row_bytes) - i - 1 >= count - len(parts) - 1
+        ):
+            parts.append((start, i + 1))
+            start = i + 1
+    parts.append((start, len(row_bytes)))
+    return parts
+
+
 class TcpTransport:
     """Client side of the TCP data plane; thread-safe, connections pooled per peer."""
 
     name = "tcp"
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, streams: int = 0, stream_min_bytes: int = STREAM_MIN_BYTES
+    ) -> None:
         """A node with credentials admits a connection with a ticket its control plane issued
-        (``use_tickets``): the token itself never travels on the data plane."""
+        (``use_tickets``): the token itself never travels on the data plane. ``streams``:
+        the most connections one read is spread over (module docstring; 0 = one per core,
+        at most 4; 1 = every read on one connection), each part at least ``stream_min_bytes``."""
+        if not 0 <= streams <= MAX_STREAMS:
+            raise InvalidArgument(f"streams must be 0 (one per core) to {MAX_STREAMS}, not {streams}")
         self.timeout_s = timeout_s
+        self.streams = streams or default_streams()
+        self.stream_min_bytes = stream_min_bytes
+        self._stream_pool: ThreadPoolExecutor | None = None  # made at the first read that needs it
         self._tickets: TicketSource | None = None
         self._tls: ssl.SSLContext | None = None
         self._idle: dict[str, list[socket.socket]] = {}
@@ -572,6 +624,41 @@ class TcpTransport:
         if len(items) != len(dst):
             raise InvalidArgument(f"{len(items)} read items for {len(dst)} destinations")
         deadline = time.monotonic() + self.timeout_s  # timeout_s bounds the whole read
+        parts = stream_parts([row.nbytes for row in dst], self.streams, self.stream_min_bytes)
+        futures: list[Future[ReadResult]] = []
+        if len(parts) > 1:
+            pool = self._streams_pool()
+            futures = [
+                pool.submit(self._read_part, peer, namespace, items[a:b], dst[a:b], deadline) for a, b in parts[1:]
+            ]
+        a, b = parts[0]
+        results = [self._read_part(peer, namespace, items[a:b], dst[a:b], deadline)]
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # _read_part catches what a peer does: this is a bug of ours
+                log.exception("stream of a read from %s failed unexpectedly", peer)
+                results.append(ReadResult(0, f"transfer from {peer} failed: {exc!r}"))
+        done = 0
+        for (a, b), result in zip(parts, results, strict=True):
+            done += result.ok
+            if result.ok < b - a:  # what later parts read is not "leading": a miss like the rest
+                corrupt = a + result.corrupt_index if result.corrupt_index >= 0 else -1
+                return ReadResult(done, result.reason, corrupt)
+        return ReadResult(done)
+
+    def _streams_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._stream_pool is None:  # two threads per extra stream: reads of several callers at once
+                self._stream_pool = ThreadPoolExecutor(
+                    2 * (self.streams - 1), thread_name_prefix=f"kvpool-{self.name}-stream"
+                )
+            return self._stream_pool
+
+    def _read_part(
+        self, peer: str, namespace: bytes, items: Sequence[ReadItem], dst: Sequence[np.ndarray], deadline: float
+    ) -> ReadResult:
+        """One stream: the part's requests one after another on one connection at a time."""
         done = 0
         try:
             for start, end in self._windows(peer, dst):
@@ -729,6 +816,10 @@ class TcpTransport:
                 self._discard(sock)
 
     def close(self) -> None:
+        with self._lock:
+            stream_pool, self._stream_pool = self._stream_pool, None
+        if stream_pool is not None:
+            stream_pool.shutdown(wait=True)  # each part ends by its deadline
         with self._lock:
             pools, self._idle = self._idle, {}
         for pool in pools.values():

@@ -223,10 +223,11 @@ class UcxTransport(TcpTransport):
     name = "ucx"
     read_op = wire.OP_READ_UCX
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None, streams: int = 0) -> None:
         """``direct``: receive straight into the caller's rows (module docstring); None = where
-        the host has no RDMA devices."""
-        super().__init__(timeout_s)  # AUTH runs on the TCP connection before the UCX upgrade
+        the host has no RDMA devices. ``streams``: as ``TcpTransport`` (each stream's
+        connection has its own worker)."""
+        super().__init__(timeout_s, streams)  # AUTH runs on the TCP connection before the UCX upgrade
         self.direct = not has_rdma() if direct is None else direct
         self._links: dict[socket.socket, _Link] = {}
         self._retired: list[_Link] = []  # kept alive, never progressed again
