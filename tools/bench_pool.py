@@ -131,28 +131,47 @@ def key_hashes(tag: int, block_bytes: int, n: int) -> list[bytes]:
     return [tag.to_bytes(4, "little") + block_bytes.to_bytes(4, "little") + i.to_bytes(8, "little") for i in range(n)]
 
 
-def bench_size(address: str, base: Baselines, block_bytes: int, repeats: int, token: str = "") -> dict[str, Any]:
+def timed_put(client: PoolClient, hashes: list[bytes], src: np.ndarray) -> float:
+    """Seconds of one put of ``src`` under ``hashes`` (removed first: every block is stored)."""
+    client.remove(hashes)
+    t0 = time.perf_counter()
+    stored = client.put(hashes, src).stored
+    seconds = time.perf_counter() - t0
+    assert stored == len(hashes)
+    return seconds
+
+
+def bench_size(
+    address: str, base: Baselines, block_bytes: int, repeats: int, token: str = "", put_ab: bool = False
+) -> dict[str, Any]:
+    """``put_ab``: also time puts whose write window switches page protection per put
+    (``ArenaMapping.keyed_puts`` False), interleaved, as ``put_mprotect``."""
     spec = spec_for(block_bytes)
     n = base.nbytes // block_bytes
     total = n * block_bytes
     src = base.private_src[:total].view(np.float16).reshape(n, *spec.block_shape)
     dst = base.private_dst[:total].view(np.float16).reshape(n, *spec.block_shape)
-    times: dict[str, list[float]] = {k: [] for k in ("shm_read", "get_into", "huge_copy", "put", "shm_write")}
-    with PoolClient.connect(address, spec, salt=b"bench", token=token) as client:
+    names = ("shm_read", "get_into", "huge_copy", "put", "shm_write") + (("put_mprotect",) if put_ab else ())
+    times: dict[str, list[float]] = {k: [] for k in names}
+    with (
+        PoolClient.connect(address, spec, salt=b"bench", token=token) as client,
+        PoolClient.connect(address, spec, salt=b"bench", token=token) as plain,
+    ):
         hashes = key_hashes(0, block_bytes, n)
         client.remove(hashes)
         assert client.put(hashes, src).stored == n
         assert client.get_into(hashes, dst) == n and np.array_equal(dst.view(np.uint16), src.view(np.uint16))
+        if put_ab:
+            plain._mapping().keyed_puts = False
+            timed_put(plain, hashes, src)  # its first put populates its own mapping's pages
         for _ in range(repeats):
             times["shm_read"].append(timed(base.shm_read))
             times["get_into"].append(timed(lambda: client.get_into(hashes, dst)))
             times["huge_copy"].append(timed(base.huge_copy))
-            client.remove(hashes)
-            t0 = time.perf_counter()
-            stored = client.put(hashes, src).stored
-            times["put"].append(time.perf_counter() - t0)
-            assert stored == n
+            times["put"].append(timed_put(client, hashes, src))
             times["shm_write"].append(timed(base.shm_write))
+            if put_ab:
+                times["put_mprotect"].append(timed_put(plain, hashes, src))
         client.remove(hashes)
     row: dict[str, Any] = {"block_bytes": block_bytes, "blocks": n}
     for name, seconds in times.items():
@@ -161,6 +180,8 @@ def bench_size(address: str, base: Baselines, block_bytes: int, repeats: int, to
     row["get_into_x_shm"] = med["shm_read"] / med["get_into"]
     row["get_into_x_huge"] = med["huge_copy"] / med["get_into"]
     row["put_x_shm"] = med["shm_write"] / med["put"]
+    if put_ab:
+        row["put_mprotect_x_shm"] = med["shm_write"] / med["put_mprotect"]
     # what a block costs above its bytes at the shared-mapping copy's speed (same run)
     row["get_into_fixed_us"] = (med["get_into"] - med["shm_read"]) / n * 1e6
     row["put_fixed_us"] = (med["put"] - med["shm_write"]) / n * 1e6
@@ -294,6 +315,11 @@ def print_sizes(title: str, rows: Sequence[dict[str, Any]]) -> None:
             f"{r['get_into_x_shm']:>6.2f} {r['get_into_x_huge']:>6.2f} {r['get_into_fixed_us']:>8.1f} | "
             f"{r['huge_copy'].text():>20} | {r['shm_write'].text():>20} {r['put'].text():>20} "
             f"{r['put_x_shm']:>6.2f} {r['put_fixed_us']:>8.1f}"
+            + (
+                f" | put, mprotect windows {r['put_mprotect'].text()} x shm {r['put_mprotect_x_shm']:.2f}"
+                if "put_mprotect" in r
+                else ""
+            )
         )
 
 
@@ -336,6 +362,12 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=4, help="client processes reading at once (0: skip)")
     parser.add_argument("--client-rounds", type=int, default=3, help="alternations of copies / clients")
     parser.add_argument("--huge-pages", choices=("auto", "off"), default="auto", help="also measure a huge-page arena")
+    parser.add_argument(
+        "--put-ab",
+        action="store_true",
+        help="also time puts through mprotect-switched windows (no protection key), interleaved with the "
+        "keyed ones, as 'put, mprotect windows'",
+    )
     parser.add_argument("--json", default="", help="also write the figures to this file")
     parser.add_argument(
         "--tenant-arena",
@@ -374,7 +406,7 @@ def main() -> int:
         for title, extra in arenas:
             token = BENCH_TOKEN if "--credentials" in extra else ""
             with daemon(capacity, *extra) as address:
-                rows = [bench_size(address, base, size, args.repeats, token) for size in sizes]
+                rows = [bench_size(address, base, size, args.repeats, token, args.put_ab) for size in sizes]
                 clients = None
                 if args.clients and not token:
                     block = 4 * MiB if 4 * MiB in sizes else sizes[-1]

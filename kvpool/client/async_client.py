@@ -164,6 +164,7 @@ class AsyncPoolClient:
                 self.spec.block_bytes,
                 self._token,
                 start.segment_generations,
+                own_copy=True,
             ) as window:
                 checksums = write_rows(window, rows, start.indices, start.offsets)
         except BaseException:

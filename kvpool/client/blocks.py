@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -143,10 +144,11 @@ def write_rows(
     block_bytes = rows.shape[1]
     stream = len(offsets) * block_bytes >= STREAM_MIN_BYTES
     checksums: list[int] = []
-    for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
-        offset, index = offsets[first], indices[first]
-        target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
-        checksums.extend(copy_checksum_rows(target, rows[index : index + count], stream=stream))
+    with arena.writing() if isinstance(arena, PutWindow) else nullcontext():  # a keyed window: this thread only
+        for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
+            offset, index = offsets[first], indices[first]
+            target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
+            checksums.extend(copy_checksum_rows(target, rows[index : index + count], stream=stream))
     return checksums
 
 

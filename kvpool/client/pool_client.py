@@ -120,18 +120,20 @@ def put_window(
     block_bytes: int,
     token: str,
     generations: Sequence[int] = (),
+    own_copy: bool = False,
 ) -> PutWindow:
     """Writable mappings of only the slots of put ``put_id`` (``ArenaMapping.put_window``), to
     be closed when its bytes are in. A handed-out arena's write descriptor is asked for
     once, naming the put (the node hands it only to a put's holder), and kept for later
     puts' windows; nothing outside a window is ever mapped writable in the client. A
-    per-tenant arena asks for each segment's (``generations``: the reply's) the same way."""
+    per-tenant arena asks for each segment's (``generations``: the reply's) the same way.
+    ``own_copy``: the caller writes with ``write_rows`` (``ArenaMapping.put_window``)."""
     if isinstance(arena, SegmentedMapping):
         arena.ensure(offsets, generations, put_id)
         return arena.put_window(offsets, block_bytes)
     if not arena.can_write:
         arena.adopt_write_fd(receive_arena_fd(arena.path, "w", put_id, token))
-    return arena.put_window(offsets, block_bytes)
+    return arena.put_window(offsets, block_bytes, own_copy)
 
 
 def hashes_request(
@@ -317,11 +319,17 @@ class PoolClient:
             raise Unavailable(f"not connected to {self.address}", hint="use PoolClient.connect")
         return arena
 
-    def _put_window(self, start: pool_pb2.PutStartReply) -> PutWindow:
+    def _put_window(self, start: pool_pb2.PutStartReply, own_copy: bool) -> PutWindow:
         arena = self._mapping()  # Unavailable if not connected
         with self._lock:  # one hand-off for the write descriptor, however many threads put
             return put_window(
-                arena, start.put_id, start.offsets, self.spec.block_bytes, self._token, start.segment_generations
+                arena,
+                start.put_id,
+                start.offsets,
+                self.spec.block_bytes,
+                self._token,
+                start.segment_generations,
+                own_copy,
             )
 
     # -- API -----------------------------------------------------------------------------
@@ -342,7 +350,7 @@ class PoolClient:
         if not hashes:
             return PutResult(0, 0, 0, 0)
         return self._stage(
-            hashes, lambda window, start: write_rows(window, rows, start.indices, start.offsets)
+            hashes, lambda window, start: write_rows(window, rows, start.indices, start.offsets), own_copy=True
         ).commit()
 
     def stage_put(self, hashes: Sequence[bytes], fill: BlockFill) -> StagedPut:
@@ -362,13 +370,18 @@ class PoolClient:
         return self.stage_put(hashes, fill).commit()
 
     def _stage(
-        self, hashes: Sequence[bytes], write: Callable[[PutWindow, pool_pb2.PutStartReply], list[int]]
+        self,
+        hashes: Sequence[bytes],
+        write: Callable[[PutWindow, pool_pb2.PutStartReply], list[int]],
+        own_copy: bool = False,
     ) -> StagedPut:
+        """``own_copy``: ``write`` is ``write_rows`` (this thread copies every byte itself),
+        not an engine's ``fill``, which may write from threads of its own."""
         start = self._with_namespace(lambda: self._rpc(self._stub.PutStart, self._hashes_request(hashes)))
         if start.put_id == 0:
             return StagedPut(self, start, [])
         try:
-            with self._put_window(start) as window:
+            with self._put_window(start, own_copy) as window:
                 checksums = write(window, start)
         except BaseException:
             self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))

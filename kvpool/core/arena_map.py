@@ -12,7 +12,11 @@ the client, never a change to another block. Where slots are whole pages, the wi
 pages of one writable mapping of the arena that is kept ``PROT_NONE`` between puts
 (``mprotect``, ``ProtectedWindow``): mapping and unmapping a window per put cost a third of
 the copy's time on 4 KiB pages (faulting every page in, then a TLB shootdown), switching the
-protection of pages that stay mapped costs a third of that (docs/benchmarks.md).
+protection of pages that stay mapped costs a third of that (docs/benchmarks.md). A put whose
+bytes the client copies itself (``PoolClient.put``: one thread, our own copy routine) uses a
+second kept mapping whose pages carry a memory protection key instead (``kvpool.core.pkeys``,
+where the CPU has them): no thread may touch it except the copying one, during the copy
+(``PutWindow.writing``), and opening it changes no page table.
 stdlib + numpy only, like the rest of core.
 """
 
@@ -28,10 +32,12 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 
 from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.pkeys import ProtectionKey, allocate_key
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,11 @@ class ArenaMapping:
         self._mmap = mapping
         self._writer: WriteMapping | None = None  # made at the first put whose slots are whole pages
         self._writer_failed = False
+        self._keyed: WriteMapping | None = None  # made at the first put that copies its own bytes
+        self._keyed_failed = False
+        #: False: puts that copy their own bytes switch page protection per put like the
+        #: others (the A/B of tools/bench_pool.py --put-ab); True uses a key where there is one
+        self.keyed_puts = True
         self._writer_lock = threading.Lock()
         self.view = np.frombuffer(mapping, dtype=np.uint8)[:capacity_bytes]
         #: the kernel's page size of the arena's memory: 4 KiB (mmap.PAGESIZE), or the huge
@@ -124,16 +135,19 @@ class ArenaMapping:
         window): nothing to do for a one-piece arena, mapped whole. A per-tenant arena
         (``kvpool.core.arena_segments``) maps the segments they lie in here."""
 
-    def put_window(self, offsets: Sequence[int], length: int) -> PutWindow:
+    def put_window(self, offsets: Sequence[int], length: int, own_copy: bool = False) -> PutWindow:
         """The pages that ``[offset, offset + length)`` of each offset covers made writable,
         and nothing else; close it (``with``) as soon as the bytes are in. Slots of whole
         pages get pages of the kept ``WriteMapping`` (``ProtectedWindow``), others a
-        mapping of their own (``PutWindow``), as do all where ``mprotect`` cannot be used."""
+        mapping of their own (``PutWindow``), as do all where ``mprotect`` cannot be used.
+        ``own_copy``: the caller writes only inside ``window.writing()``, from that thread
+        (``write_rows``): the window is then on the keyed mapping where keys exist here.
+        Never for bytes an engine writes (its copy may run on threads of its own)."""
         if self._write_fd < 0:
             raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
         page = self.page_bytes
         if length % page == 0 and all(offset % page == 0 for offset in offsets):
-            writer = self._kept_writer()
+            writer = (self._keyed_writer() if own_copy and self.keyed_puts else None) or self._kept_writer()
             if writer is not None:
                 return ProtectedWindow(writer, self.capacity_bytes, offsets, length, page)
         return PutWindow(self._write_fd, self.capacity_bytes, offsets, length, page)
@@ -150,11 +164,30 @@ class ArenaMapping:
                     log.warning("puts map a window each (the kept write mapping failed: %s)", exc)
             return self._writer
 
+    def _keyed_writer(self) -> WriteMapping | None:
+        """The keyed ``WriteMapping`` of this arena, made at the first call; None where no
+        protection key can be had (no PKU, or all 15 taken: logged once) or it failed."""
+        with self._writer_lock:
+            if self._keyed is None and not self._keyed_failed and can_protect():
+                key = allocate_key()
+                try:
+                    if key is None:
+                        raise OSError("no memory protection key available (no PKU here, or all 15 in use)")
+                    self._keyed = WriteMapping(self._write_fd, self.capacity_bytes, self.page_bytes, key)
+                except (OSError, Unavailable) as exc:
+                    if key is not None:
+                        key.free()
+                    self._keyed_failed = True
+                    log.info("puts switch page protection per put (%s)", exc)
+            return self._keyed
+
     def _drop_writer(self) -> None:
         with self._writer_lock:
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()  # unmapped once the last open window shuts
+            writers = (self._writer, self._keyed)
+            self._writer = self._keyed = None
+        for writer in writers:
+            if writer is not None:
+                writer.close()  # unmapped once the last open window shuts
 
     @property
     def fd(self) -> int:
@@ -241,6 +274,11 @@ class PutWindow:
         assert mapping is not None
         close_mapping(mapping)
 
+    def writing(self) -> AbstractContextManager[None]:
+        """Wrap the writes into this window (all of them on the calling thread): needed for a
+        window on a keyed mapping (``put_window(own_copy=True)``), a no-op for the others."""
+        return nullcontext()
+
     @property
     def mapped_bytes(self) -> int:
         return sum(stop - start for start, stop, _, _ in self._runs)
@@ -300,6 +338,9 @@ class ProtectedWindow(PutWindow):
     def _close_run(self, start: int, stop: int, mapping: mmap.mmap | None) -> None:
         self._writer.shut(start, stop)
 
+    def writing(self) -> AbstractContextManager[None]:
+        return self._writer.writing()
+
 
 class WriteMapping:
     """The whole arena mapped once, shared, and ``PROT_NONE`` except over the pages of puts
@@ -308,14 +349,19 @@ class WriteMapping:
     also populates its entries in one call (``MADV_POPULATE_WRITE``, Linux 5.14+: a fault
     per 4 KiB page costs ~3 us here, several times the copy of the page).
 
+    With a ``key`` the pages are read-write and tagged with that protection key once, and
+    ``open`` / ``shut`` change nothing: every thread is denied the key except inside
+    ``writing()``, which opens it to the calling thread only (``kvpool.core.pkeys``).
+
     Safe for puts of many threads: a page is shut only when no open window covers it (two
     puts' slots never share a page, but a put reclaimed after ``put_ttl_ms`` can still be
     writing a slot the node has since given to another put of this client). ``close``
     refuses new opens at once and unmaps when the last open window shuts; the mapping holds
     its own descriptor. Not inherited by a forked child (``MADV_DONTFORK``)."""
 
-    def __init__(self, fd: int, capacity_bytes: int, page_bytes: int) -> None:
+    def __init__(self, fd: int, capacity_bytes: int, page_bytes: int, key: ProtectionKey | None = None) -> None:
         self._page_bytes = page_bytes
+        self._key = key  # freed with the mapping
         mapped_bytes = -(-capacity_bytes // page_bytes) * page_bytes  # a huge-page file is rounded up too
         self._fd = os.dup(fd)
         try:
@@ -326,7 +372,10 @@ class WriteMapping:
         try:
             self.view = np.frombuffer(self._mmap, dtype=np.uint8)
             self._address = int(self.view.ctypes.data)
-            self._mprotect(0, mapped_bytes, PROT_NONE)  # nothing was touched while it was writable
+            if key is None:
+                self._mprotect(0, mapped_bytes, PROT_NONE)  # nothing was touched while it was writable
+            else:  # denied to every thread from here on; nothing touched it before
+                key.tag(self._address, mapped_bytes, mmap.PROT_READ | mmap.PROT_WRITE)
             self._mmap.madvise(mmap.MADV_DONTFORK)
         except BaseException:
             self.view = np.empty(0, dtype=np.uint8)
@@ -348,14 +397,20 @@ class WriteMapping:
         with self._lock:
             if self._closed:
                 raise Unavailable("the arena mapping was closed during this put (the client reconnected)")
-            self._mprotect(start, stop, mmap.PROT_READ | mmap.PROT_WRITE)
+            if self._key is None:
+                self._mprotect(start, stop, mmap.PROT_READ | mmap.PROT_WRITE)
             self._open_runs[(start, stop)] = self._open_runs.get((start, stop), 0) + 1
             first, last = start // self._page_bytes, stop // self._page_bytes
             fresh = not self._populated[first:last].all()
             self._populated[first:last] = True
         if fresh:  # fails on a kernel before 5.14: the copy then faults the pages in one by one
-            _libc.madvise(self._address + start, stop - start, MADV_POPULATE_WRITE)
+            with self.writing():  # the kernel checks the key of the thread that populates
+                _libc.madvise(self._address + start, stop - start, MADV_POPULATE_WRITE)
         return self.view[start:stop]
+
+    def writing(self) -> AbstractContextManager[None]:
+        """Around the writes into opened pages: opens the key to the calling thread (keyed), or nothing."""
+        return nullcontext() if self._key is None else self._key.open()
 
     def shut(self, start: int, stop: int) -> None:
         """Make ``[start, stop)`` inaccessible again (a write is a SIGSEGV from now on), but
@@ -367,7 +422,7 @@ class WriteMapping:
             pieces = [(start, stop)]
             for lo, hi in self._open_runs:  # cut out what other open windows hold
                 pieces = [part for a, b in pieces for part in ((a, min(b, lo)), (max(a, hi), b)) if part[0] < part[1]]
-            for a, b in pieces:
+            for a, b in pieces if self._key is None else ():
                 self._mprotect(a, b, PROT_NONE)
             if self._closed and not self._open_runs:
                 self._unmap()
@@ -386,6 +441,8 @@ class WriteMapping:
         close_mapping(self._mmap)
         os.close(self._fd)
         self._fd = -1
+        if self._key is not None and self._mmap.closed:  # its pages are gone: nothing is tagged with it
+            self._key.free()  # (still mapped while a view lives: then kept, never reused, for the process)
 
 
 PROT_NONE = 0

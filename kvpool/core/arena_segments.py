@@ -112,9 +112,9 @@ class SegmentedMapping(ArenaMapping):
     def can_write(self) -> bool:
         return bool(self._write_fds)
 
-    def put_window(self, offsets: Sequence[int], length: int) -> PutWindow:
+    def put_window(self, offsets: Sequence[int], length: int, own_copy: bool = False) -> PutWindow:
         """Writable mappings of only the pages of the put's slots, from the segments' write
-        descriptors (``ensure`` with the put id first)."""
+        descriptors (``ensure`` with the put id first); a window of its own whoever writes."""
 
         def fd_of(seg: int) -> int:
             found = self._write_fds.get(seg)
