@@ -211,6 +211,7 @@ class NixlTransport(TcpTransport):
 
     name = "nixl"
     read_op = wire.OP_NIXL_READ
+    one_sided = True
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None, streams: int = 0) -> None:
         """``direct``: READ straight into the caller's rows (see the module docstring); None =

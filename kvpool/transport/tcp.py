@@ -15,8 +15,11 @@ on a connection of its own at the same time (the first by the calling thread, th
 the transport's small thread pool), each part verified by the thread that received it.
 One stream is bound by one core: on the one-sided data planes (UCX, NIXL over cma) the
 reader's kernel walks and copies the holder's pages, ~2-4 GB/s per thread here, and two
-streams read a 128 MiB batch 1.5-1.7x faster (docs/benchmarks.md); on RDMA the same parts
-go out on separate queue pairs. The result is still "the leading rows that verified".
+streams read a 128 MiB batch 1.4-1.7x faster (docs/benchmarks.md); on RDMA the same parts
+go out on separate queue pairs. Those default to one stream per core (``one_sided``); plain
+TCP defaults to one stream, as each stream also keeps a sending thread of the node busy (on
+loopback here two streams read 32 x 1 MiB 0.7x as fast as one). The result is still "the
+leading rows that verified".
 """
 
 from __future__ import annotations
@@ -71,9 +74,10 @@ STREAM_MIN_BYTES = 4 << 20
 MAX_STREAMS = 8
 
 
-def default_streams() -> int:
-    """Streams per read where none is asked for: one per core, at most 4."""
-    return max(1, min(4, os.cpu_count() or 1))
+def default_streams(one_sided: bool) -> int:
+    """Streams per read where none is asked for: one per core, at most 4, for a one-sided data
+    plane (the reader does the copying); one for a two-sided one (module docstring)."""
+    return max(1, min(4, os.cpu_count() or 1)) if one_sided else 1
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -498,18 +502,22 @@ class TcpTransport:
     """Client side of the TCP data plane; thread-safe, connections pooled per peer."""
 
     name = "tcp"
+    #: whether the reader alone moves the bytes (UCX's get rendezvous, NIXL's READ): more
+    #: streams by default (``default_streams``)
+    one_sided = False
 
     def __init__(
         self, timeout_s: float = DEFAULT_TIMEOUT_S, streams: int = 0, stream_min_bytes: int = STREAM_MIN_BYTES
     ) -> None:
         """A node with credentials admits a connection with a ticket its control plane issued
         (``use_tickets``): the token itself never travels on the data plane. ``streams``:
-        the most connections one read is spread over (module docstring; 0 = one per core,
-        at most 4; 1 = every read on one connection), each part at least ``stream_min_bytes``."""
+        the most connections one read is spread over (module docstring; 0 = the data plane's
+        default, ``default_streams``; 1 = every read on one connection), each part at least
+        ``stream_min_bytes``."""
         if not 0 <= streams <= MAX_STREAMS:
-            raise InvalidArgument(f"streams must be 0 (one per core) to {MAX_STREAMS}, not {streams}")
+            raise InvalidArgument(f"streams must be 0 (the default) to {MAX_STREAMS}, not {streams}")
         self.timeout_s = timeout_s
-        self.streams = streams or default_streams()
+        self.streams = streams or default_streams(self.one_sided)
         self.stream_min_bytes = stream_min_bytes
         self._stream_pool: ThreadPoolExecutor | None = None  # made at the first read that needs it
         self._tickets: TicketSource | None = None

@@ -222,6 +222,7 @@ class UcxTransport(TcpTransport):
 
     name = "ucx"
     read_op = wire.OP_READ_UCX
+    one_sided = True
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None, streams: int = 0) -> None:
         """``direct``: receive straight into the caller's rows (module docstring); None = where

@@ -36,8 +36,8 @@ pytestmark = pytest.mark.skipif(not (can_protect() and keys_here()), reason="no 
 def client() -> tuple[ArenaMapping, int]:
     fd = os.memfd_create("test-arena", os.MFD_CLOEXEC)
     os.ftruncate(fd, CAPACITY)
-    mapping = ArenaMapping(f"/proc/self/fd/{fd}", CAPACITY, os.dup(fd), mmap.mmap(fd, CAPACITY, prot=mmap.PROT_READ), fd)
-    return mapping, fd
+    view = mmap.mmap(fd, CAPACITY, prot=mmap.PROT_READ)
+    return ArenaMapping(f"/proc/self/fd/{fd}", CAPACITY, os.dup(fd), view, fd), fd
 
 
 def pkeys_of(fd: int) -> list[tuple[str, int]]:

@@ -4,6 +4,7 @@ rotten block or a gap in a later stream, and the parts themselves (property)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,9 +111,14 @@ def test_a_stopped_node_is_a_miss_on_every_stream(tmp_path: Path) -> None:
         node.close()
 
 
-def test_streams_are_bounded_and_default_to_the_cores() -> None:
-    assert 1 <= TcpTransport().streams == default_streams() <= 4
-    assert TcpTransport(streams=1).streams == 1
+def test_streams_are_bounded_and_one_sided_planes_default_to_the_cores() -> None:
+    assert TcpTransport().streams == default_streams(one_sided=False) == 1
+    assert 1 <= default_streams(one_sided=True) == min(4, os.cpu_count() or 1)
+    if not ucx_available():
+        ucx = make_transport("ucx")
+        assert ucx.streams == default_streams(one_sided=True)  # type: ignore[attr-defined]
+        ucx.close()
+    assert TcpTransport(streams=2).streams == 2
     with pytest.raises(Exception, match="streams must be"):
         TcpTransport(streams=99)
     # a read below two parts' worth of bytes stays on one connection
