@@ -107,20 +107,20 @@ def adjacent_runs(
     a put window maps each segment on its own, so two slots either side of a segment edge
     are adjacent in the arena but not in one mapping."""
     most = max(1, (COPY_RUN_BYTES if most_bytes is None else most_bytes) // block_bytes)
+    n = len(offsets)
+    if n == 0:
+        return []
+    # numpy, not a loop per block: a 256 MiB put of 16 KiB blocks has 16,384 of them
+    off = np.asarray(offsets, dtype=np.int64)
+    idx = np.asarray(indices, dtype=np.int64)
+    follows = np.zeros(n, dtype=np.bool_)  # block k goes on the run of block k - 1
+    follows[1:] = (off[1:] == off[:-1] + block_bytes) & (idx[1:] == idx[:-1] + 1)
+    if split_bytes:  # a run never crosses a multiple of split_bytes
+        follows[1:] &= off[1:] // split_bytes == off[:-1] // split_bytes
+    starts = np.flatnonzero(~follows).tolist()
     runs: list[tuple[int, int]] = []
-    for k in range(len(offsets)):
-        if runs:
-            first, count = runs[-1]
-            last = first + count - 1
-            if (
-                count < most
-                and offsets[k] == offsets[last] + block_bytes
-                and indices[k] == indices[last] + 1
-                and not (split_bytes and offsets[k] // split_bytes != offsets[first] // split_bytes)
-            ):
-                runs[-1] = (first, count + 1)
-                continue
-        runs.append((k, 1))
+    for start, end in zip(starts, [*starts[1:], n], strict=True):  # chains, cut every `most` blocks
+        runs.extend((first, min(most, end - first)) for first in range(start, end, most))
     return runs
 
 

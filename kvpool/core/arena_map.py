@@ -146,7 +146,7 @@ class ArenaMapping:
         if self._write_fd < 0:
             raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
         page = self.page_bytes
-        if length % page == 0 and all(offset % page == 0 for offset in offsets):
+        if length % page == 0 and not (np.asarray(offsets, dtype=np.int64) % page).any():
             writer = (self._keyed_writer() if own_copy and self.keyed_puts else None) or self._kept_writer()
             if writer is not None:
                 return ProtectedWindow(writer, self.capacity_bytes, offsets, length, page)
@@ -246,7 +246,7 @@ class PutWindow:
         self._fd = fd
         self._starts = [start for start, _ in ranges]
         self._runs: list[tuple[int, int, mmap.mmap | None, np.ndarray]] = []
-        self._slots = set(offsets)
+        self._slots = np.unique(np.asarray(offsets, dtype=np.int64))  # sorted
         self._length = length
         #: each segment is its own mapping (0: one arena file); writers break runs there
         self.segment_bytes = segment_bytes
@@ -289,7 +289,13 @@ class PutWindow:
         ``InvalidArgument`` for anything else."""
         start, stop = int(start), int(stop)
         whole = (stop - start) // self._length if stop - start > self._length else 1
-        slots_ok = stop > start and all(start + k * self._length in self._slots for k in range(whole))
+        wanted = start + self._length * np.arange(whole, dtype=np.int64)
+        at = np.searchsorted(self._slots, wanted)
+        slots_ok = (
+            stop > start
+            and bool((at < self._slots.size).all())
+            and (self._slots[at % self._slots.size] == wanted).all()
+        )
         if not slots_ok or stop - start > whole * self._length:
             raise InvalidArgument(f"arena bytes [{start}, {stop}) are not slots of this put")
         run_start, run_stop, _, view = self._runs[bisect.bisect_right(self._starts, start) - 1]
@@ -484,17 +490,23 @@ def page_runs(
     cover, overlapping or adjacent ones merged (never across a segment edge);
     ``InvalidArgument`` for a slot outside the arena."""
     page = page_bytes
-    ranges: list[tuple[int, int]] = []
-    for offset in sorted(offsets):
-        if offset < 0 or length <= 0 or offset + length > capacity_bytes:
-            raise InvalidArgument(f"arena slot [{offset}, {offset + length}) is outside 0..{capacity_bytes}")
-        start, stop = offset - offset % page, min(-(-(offset + length) // page) * page, capacity_bytes)
-        same_segment = not segment_bytes or (ranges and ranges[-1][0] // segment_bytes == start // segment_bytes)
-        if ranges and start <= ranges[-1][1] and same_segment:
-            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], stop))
-        else:
-            ranges.append((start, stop))
-    return ranges
+    off = np.sort(np.asarray(offsets, dtype=np.int64))
+    if off.size == 0:
+        return []
+    bad = (off < 0) | (off + length > capacity_bytes) if length > 0 else np.ones(off.size, dtype=np.bool_)
+    if bad.any():
+        offset = int(off[np.argmax(bad)])
+        raise InvalidArgument(f"arena slot [{offset}, {offset + length}) is outside 0..{capacity_bytes}")
+    starts = off - off % page
+    stops = np.minimum(-(-(off + length) // page) * page, capacity_bytes)
+    # a slot opens a new run where it starts past every page before it, or in another segment
+    # (numpy, not a loop per slot: a put of 16 KiB blocks has thousands)
+    opens = np.ones(off.size, dtype=np.bool_)
+    opens[1:] = starts[1:] > np.maximum.accumulate(stops)[:-1]
+    if segment_bytes:
+        opens[1:] |= starts[1:] // segment_bytes != starts[:-1] // segment_bytes
+    first = np.flatnonzero(opens)
+    return list(zip(starts[first].tolist(), np.maximum.reduceat(stops, first).tolist(), strict=True))
 
 
 def close_mapping(mapping: mmap.mmap) -> None:
