@@ -12,7 +12,8 @@ from kvpool.core.auth import Credentials
 from kvpool.core.errors import InvalidArgument
 from kvpool.transport.base import BlockStore, DataServer, Transport
 from kvpool.transport.shares import TransferShares
-from kvpool.transport.tcp import TcpDataServer, TcpTransport
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 log = logging.getLogger("kvpool.transport")
 

@@ -75,7 +75,8 @@ from kvpool.transport.nixl_agent import (
     ucx_overrides,
     usable_backends,
 )
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport, split_address
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpTransport, split_address
+from kvpool.transport.tcp_server import TcpDataServer
 from kvpool.transport.verify import copy_verified, verify_in_place
 
 __all__ = [

@@ -45,7 +45,8 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
 from kvpool.transport.nixl_agent import has_rdma
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpDataServer, TcpTransport
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 from kvpool.transport.verify import copy_verified, verify_in_place
 
 log = logging.getLogger("kvpool.transport")

@@ -20,7 +20,8 @@ from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport import wire
 from kvpool.transport.base import ReadItem
-from kvpool.transport.tcp import TcpDataServer, TcpTransport
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 node, server, transport = helpers.node, helpers.server, helpers.transport  # the shared fixtures
 

@@ -31,7 +31,7 @@ from kvpool.daemon.node import PoolNode
 from kvpool.transport import wire
 from kvpool.transport.base import ReadItem
 from kvpool.transport.factory import make_data_server, make_transport, nixl_available
-from kvpool.transport.tcp import TcpDataServer
+from kvpool.transport.tcp_server import TcpDataServer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(bool(nixl_available()), reason=f"nixl unusable: {nixl_available()}")]
 

@@ -15,7 +15,8 @@ from kvpool.core.keys import block_keys
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport.base import ReadItem
-from kvpool.transport.tcp import TcpDataServer, TcpTransport
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 node, transport = helpers.node, helpers.transport  # the shared fixtures
 

@@ -13,7 +13,8 @@ from transport_helpers import NS_DIGEST, blocks, keys, node  # noqa: F401  (fixt
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
 from kvpool.transport.base import ReadItem
-from kvpool.transport.tcp import TcpDataServer, TcpTransport
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 
 def _workers() -> list[threading.Thread]:

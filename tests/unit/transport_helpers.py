@@ -16,7 +16,8 @@ from kvpool.core.hashing import HASH_SCHEME, block_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.daemon.cluster_node import NodeBlockStore
 from kvpool.daemon.node import PoolNode
-from kvpool.transport.tcp import TcpDataServer, TcpTransport
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=8)
 NS = Namespace(SPEC, b"tenant")
