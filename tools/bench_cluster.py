@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -104,10 +105,12 @@ def kvpool_batches(
     transports: list[str],
     suffix: str = "",
     one_stream: bool = False,
+    per_item: bool = False,
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
     """Blocks written to the node at ``a_addr``; readers attached to node B (another host name).
     ``suffix`` tells holders of another arena kind apart in the batch names ("/huge");
-    ``one_stream``: also a reader whose reads stay on one connection ("1 stream" rows)."""
+    ``one_stream``: also a reader whose reads stay on one connection ("1 stream" rows);
+    ``per_item``: also a UCX transport that moves one message per block ("per-item" row)."""
     spec = spec_for(block_kib)
     data = np.random.default_rng(block_kib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
     salt = a_addr.encode()  # each holder its own blocks: a reader cannot be served by the other holder
@@ -144,6 +147,12 @@ def kvpool_batches(
 
             batches[f"kvpool {label} cluster get"] = cluster_get
             batches[f"kvpool {label} transport"] = raw_read
+            if kind == "ucx" and streams == 0 and per_item:
+                from kvpool.transport.ucx import UcxTransport
+
+                per_item_transport = UcxTransport(runs=False)
+                stack.callback(per_item_transport.close)
+                batches[f"kvpool {label} per-item transport"] = functools.partial(raw_read, per_item_transport)
 
         def verify() -> None:
             assert np.array_equal(out, data)
@@ -402,6 +411,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 transports,
                                 suffix,
                                 args.one_stream_rows,
+                                args.ucx_per_item_rows,
                             )
                         )
                         if nixl_holder is not None:
@@ -450,6 +460,10 @@ def print_row(label: str, row: dict[str, float]) -> None:
         for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
             if base in row:
                 print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
+    for one in [k for k in row if " per-item " in k]:  # --ucx-per-item-rows: the runs A/B
+        runs = one.replace(" per-item", "")
+        if runs in row:
+            print(f"  ratio {runs} / per-item {row[runs] / row[one]:6.2f}x")
     for one in [k for k in row if " 1 stream " in k]:  # --one-stream-rows: the multi-stream A/B
         many = one.replace(" 1 stream", "")
         if many in row:
@@ -495,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time readers that keep each read on one connection (read_streams=1), interleaved "
         "with the default ones (one stream per core, at most 4): the multi-stream A/B",
+    )
+    parser.add_argument(
+        "--ucx-per-item-rows",
+        action="store_true",
+        help="also time a UCX transport that moves one message per block (READ_UCX) interleaved with the "
+        "default one (blocks end to end on both sides moved as one message): the runs A/B",
     )
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--mooncake-writer", nargs=4, help=argparse.SUPPRESS)

@@ -303,6 +303,10 @@ class TcpTransport:
     def _read_op(self, peer: str) -> int:
         return self.read_op
 
+    def _request_prefix(self, dst: Sequence[np.ndarray]) -> bytes:
+        """What a read request carries between its header and its items (READ: nothing)."""
+        return b""
+
     def _read_chunk(
         self,
         peer: str,
@@ -314,8 +318,10 @@ class TcpTransport:
         sock: socket.socket | None = None
         progress = [0]  # leading items verified so far (kept up to date for the failure path)
         try:
-            request = wire.pack_header(self._read_op(peer), len(items), namespace) + wire.pack_read_items(
-                [(it.key, it.range_offset, it.range_length) for it in items]
+            request = (
+                wire.pack_header(self._read_op(peer), len(items), namespace)
+                + self._request_prefix(dst[: len(items)])
+                + wire.pack_read_items([(it.key, it.range_offset, it.range_length) for it in items])
             )
             sock, status, served, message = self._exchange(
                 peer, deadline, lambda s: wire.send_all(s, request, deadline)

@@ -248,9 +248,7 @@ class TcpDataServer:
                 wire.pack_reply(wire.STATUS_UNAUTHENTICATED, 0, "this node requires AUTH with a kvpool credential")
             )
             return False
-        if op in (wire.OP_READ, wire.OP_WRITE, wire.OP_READ_UCX, wire.OP_NIXL_READ) and not principal.may_use(
-            namespace
-        ):
+        if op in wire.NAMESPACE_OPS and not principal.may_use(namespace):
             log.warning("data plane: %s (%s) may not use namespace %s", peer, principal.name, namespace.hex())
             conn.sendall(wire.pack_reply(wire.STATUS_DENIED, 0, f"credential {principal.name!r} may not use it"))
             return False

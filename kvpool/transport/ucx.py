@@ -45,7 +45,8 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
 from kvpool.transport.nixl_agent import has_rdma
-from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpTransport
+from kvpool.transport.runs import reader_joins, run_bounds, server_runs, span
+from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, ProtocolViolation, TcpTransport
 from kvpool.transport.tcp_server import TcpDataServer
 from kvpool.transport.verify import copy_verified, verify_in_place
 
@@ -186,25 +187,36 @@ class UcxDataServer(TcpDataServer):
             mine = link.address
             conn.sendall(wire.pack_reply(wire.STATUS_OK, len(mine)) + mine)
             return True
-        if op == wire.OP_READ_UCX:
+        if op in (wire.OP_READ_UCX, wire.OP_READ_UCX_RUNS):
+            asked = None  # READ_UCX: one message per item
+            if op == wire.OP_READ_UCX_RUNS:
+                asked = wire.unpack_joins(wire.recv_exact(conn, wire.joins_bytes(count)), count)
             upgraded = state.get("ucx")
             if not isinstance(upgraded, _Link):
                 conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, "READ_UCX before UCX_HELLO"))
-                return True
-            self._serve_read_ucx(conn, count, namespace, upgraded)
+                return False  # the items were not read: the stream is out of sync, close it
+            self._serve_read_ucx(conn, count, namespace, upgraded, asked)
             return True
         return False
 
-    def _serve_read_ucx(self, conn: socket.socket, count: int, namespace: bytes, link: _Link) -> None:
+    def _serve_read_ucx(
+        self, conn: socket.socket, count: int, namespace: bytes, link: _Link, asked: list[bool] | None
+    ) -> None:
         leased = self._lease_for_read(conn, count, namespace)
         if leased is None:
             return  # refused: neither side takes a tag base
         lease_id, views, metas = leased
         base = link.take_tag_base()  # both sides count accepted reads: tags stay in step
         try:
-            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas))
+            reply = wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas)
+            messages: Sequence[object] = views
+            if asked is not None:
+                joins, messages = server_runs(self._store.arena(), views, asked)
+                reply += wire.pack_joins(joins)
+            conn.sendall(reply)
             requests = [
-                link.endpoint.tag_send(Array(view), tag=ucx_api.UCXXTag(base | i)) for i, view in enumerate(views)
+                link.endpoint.tag_send(Array(message), tag=ucx_api.UCXXTag(base | i))
+                for i, message in enumerate(messages)
             ]
             link.wait(requests, time.monotonic() + self.send_timeout_s)
             self.bytes_sent += sum(len(v) for v in views)
@@ -222,18 +234,23 @@ class UcxTransport(TcpTransport):
     """Reads over UCX (worker-address path), writes over TCP."""
 
     name = "ucx"
-    read_op = wire.OP_READ_UCX
+    read_op = wire.OP_READ_UCX_RUNS
     one_sided = True
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None, streams: int = 0) -> None:
+    def __init__(
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, direct: bool | None = None, streams: int = 0, runs: bool = True
+    ) -> None:
         """``direct``: receive straight into the caller's rows (module docstring); None = where
         the host has no RDMA devices. ``streams``: as ``TcpTransport`` (each stream's
-        connection has its own worker)."""
+        connection has its own worker). ``runs``: blocks end to end on both sides move as one
+        message (READ_UCX_RUNS, ``kvpool.transport.runs``); False = one message per block
+        (READ_UCX: what nodes before runs serve; the benchmark's A/B)."""
         super().__init__(timeout_s, streams)  # AUTH runs on the TCP connection before the UCX upgrade
+        self.read_op = wire.OP_READ_UCX_RUNS if runs else wire.OP_READ_UCX
         self.direct = not has_rdma() if direct is None else direct
         self._links: dict[socket.socket, _Link] = {}
         self._retired: list[_Link] = []  # kept alive, never progressed again
-        self.counters = {"direct_reads": 0, "staged_reads": 0, "retired_links": 0}
+        self.counters = {"direct_reads": 0, "staged_reads": 0, "retired_links": 0, "messages": 0}
         _context()
 
     def _take(self, peer: str, deadline: float | None = None, fresh: bool = False) -> tuple[socket.socket, bool]:
@@ -275,15 +292,23 @@ class UcxTransport(TcpTransport):
         for length, _ in metas:
             starts.append(starts[-1] + length)
         rows = dst[: len(metas)]
-        direct = self.direct and all(row.flags.c_contiguous and row.flags.writeable for row in rows)
+        direct = self._direct(rows)
+        joins = [False] * len(metas)  # READ_UCX (a reader of before runs): a message per item
+        if self.read_op == wire.OP_READ_UCX_RUNS:
+            joins = wire.unpack_joins(wire.recv_exact(sock, wire.joins_bytes(len(metas)), deadline), len(metas))
+        asked = self._asked_joins(rows)
+        if any(join and not ok for join, ok in zip(joins, asked)):
+            raise ProtocolViolation(f"peer {peer} joins items into one message where the reader's rows do not allow it")
+        bounds = run_bounds(joins)
         if direct:
-            targets = list(rows)
+            targets = [span(rows[start:end]) if end - start > 1 else rows[start] for start, end in bounds]
         else:
             staging = link.staging(starts[-1])  # private: see _Link.staging for why not the caller's rows
-            targets = [staging[starts[i] : starts[i + 1]] for i in range(len(metas))]
+            targets = [staging[starts[start] : starts[end]] for start, end in bounds]
         requests = [
             link.endpoint.tag_recv(Array(target), tag=ucx_api.UCXXTag(base | i)) for i, target in enumerate(targets)
         ]
+        self.counters["messages"] += len(requests)
         try:
             link.wait(requests, deadline)  # the read's one deadline
         except TimeoutError:
@@ -305,6 +330,22 @@ class UcxTransport(TcpTransport):
             return bad
         finally:
             link.trim_staging()  # every receive has completed: the buffer is free
+
+    def _direct(self, rows: Sequence[np.ndarray]) -> bool:
+        """Whether a read lands straight in ``rows`` (module docstring), else in staging."""
+        return self.direct and all(row.flags.c_contiguous and row.flags.writeable for row in rows)
+
+    def _asked_joins(self, rows: Sequence[np.ndarray]) -> list[bool]:
+        """Which items may share a message with the one before: rows end to end in one array
+        (direct), or any (staged: the staging buffer is one piece)."""
+        if self._direct(rows):
+            return reader_joins(rows)
+        return [i > 0 for i in range(len(rows))]
+
+    def _request_prefix(self, dst: Sequence[np.ndarray]) -> bytes:
+        if self.read_op != wire.OP_READ_UCX_RUNS:
+            return b""
+        return wire.pack_joins(self._asked_joins(dst))
 
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:

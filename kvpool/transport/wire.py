@@ -13,6 +13,15 @@
                       -> ReplyHeader(OK) or ReplyHeader(UNAUTHENTICATED) and the connection closes
                       (the ticket and its key come from the node's control plane: HelloReply)
 
+    READ_UCX   request : as READ (after UCX_HELLO upgraded the connection)
+           reply       : as READ's header and metas; the bytes follow as one UCX tag message per item
+    READ_UCX_RUNS request : Header(op=READ_UCX_RUNS, count=n) + joins(n) + the n READ items, where
+                         joins(n) is a bitmap of ceil(n / 8) bytes (bit i, least significant first:
+                         item i's destination starts where item i - 1's ends, so both may share a message)
+           reply       : as READ's header and metas, then joins(m): the server's cut (a bit set only
+                         where the reader's was and the two blocks also lie end to end in its arena);
+                         the bytes follow as one UCX tag message per run of joined items
+
     NIXL_HELLO request : Header(op=NIXL_HELLO, count=0 | 1)
            reply       : ReplyHeader(OK, count=len(name)) + agent name + metadata length u64 + metadata
                          (metadata only when count was 1; at most ``MAX_NIXL_METADATA`` bytes)
@@ -21,7 +30,7 @@
                          pulls them with one batched NIXL READ, then sends Header(op=NIXL_DONE, count=m);
                          the server holds its read lease until then, or until the connection drops)
 
-A server with credentials answers READ / WRITE / READ_UCX / UCX_HELLO / NIXL_* on a connection that has
+A server with credentials answers READ / WRITE / READ_UCX(_RUNS) / UCX_HELLO / NIXL_* on a connection that has
 not passed AUTH with UNAUTHENTICATED and closes it; one whose namespace the authenticated
 credential may not use gets DENIED and is closed (``kvpool.core.tickets``).
 
@@ -50,6 +59,8 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvpool.core.errors import InvalidArgument
 
 MAGIC = b"KVPT"
@@ -63,6 +74,9 @@ OP_AUTH = 6  # count 0: ask for a nonce; count 32: the proof for it
 OP_NIXL_HELLO = 7  # count 0: the server's NIXL agent name; 1: its name and agent metadata
 OP_NIXL_READ = 8  # like READ, but the reply carries arena addresses: the reader pulls (NIXL READ)
 OP_NIXL_DONE = 9  # the reader's pulls of the last NIXL_READ finished: the server releases its lease
+OP_READ_UCX_RUNS = 10  # like READ_UCX, but items lying end to end on both sides share one message
+#: the ops that read or write a namespace's blocks: admitted only for a principal that may use it
+NAMESPACE_OPS = (OP_READ, OP_WRITE, OP_READ_UCX, OP_READ_UCX_RUNS, OP_NIXL_READ)
 
 STATUS_OK = 0
 STATUS_UNKNOWN_NAMESPACE = 1
@@ -176,3 +190,23 @@ def pack_read_items(items: Sequence[tuple[bytes, int, int]]) -> bytes:
 
 def unpack_read_items(data: bytes, count: int) -> list[tuple[bytes, int, int]]:
     return [READ_ITEM.unpack_from(data, i * READ_ITEM.size) for i in range(count)]
+
+
+def joins_bytes(count: int) -> int:
+    """Size of the joins bitmap of ``count`` items (READ_UCX_RUNS)."""
+    return (count + 7) // 8
+
+
+def pack_joins(joins: Sequence[bool]) -> bytes:
+    """Bit i set = item i shares a message with item i - 1 (least significant bit first)."""
+    return np.packbits(np.asarray(joins, dtype=bool), bitorder="little").tobytes()
+
+
+def unpack_joins(data: bytes, count: int) -> list[bool]:
+    """Inverse of ``pack_joins``; item 0 never joins (a set bit 0 is a protocol error)."""
+    if len(data) != joins_bytes(count):
+        raise InvalidArgument(f"a joins bitmap of {count} items is {joins_bytes(count)} bytes, not {len(data)}")
+    joins = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count, bitorder="little").astype(bool)
+    if count and joins[0]:
+        raise InvalidArgument("item 0 cannot join a message before it")
+    return [bool(j) for j in joins]

@@ -55,13 +55,16 @@ def late_server(store: NodeBlockStore) -> object:
             super().__init__(*args)
             self.sent = threading.Event()  # set once the late sends were attempted
 
-        def _serve_read_ucx(self, conn: socket.socket, count: int, namespace: bytes, link: ucx._Link) -> None:
+        def _serve_read_ucx(
+            self, conn: socket.socket, count: int, namespace: bytes, link: ucx._Link, asked: list[bool] | None
+        ) -> None:
             leased = self._lease_for_read(conn, count, namespace)
             assert leased is not None
             lease_id, views, metas = leased
             base = link.take_tag_base()
             try:
-                conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas))
+                joins = b"" if asked is None else wire.pack_joins([False] * len(views))  # a message per item
+                conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas) + joins)
                 time.sleep(SEND_DELAY_S)
                 requests = [
                     link.endpoint.tag_send(Array(view), tag=ucx.ucx_api.UCXXTag(base | i))
@@ -214,7 +217,7 @@ def test_an_oversized_staging_buffer_is_let_go_after_the_read(node: PoolNode, mo
         assert transport.read(server.address, NS_DIGEST, [ReadItem(keys[1])], [one]).ok == 1
         np.testing.assert_array_equal(one, data[1])
         assert link._staging.nbytes == BB  # one block fits: kept for the next read
-        assert transport.read_op == wire.OP_READ_UCX
+        assert transport.read_op == wire.OP_READ_UCX_RUNS
     finally:
         transport.close()
         server.stop()
