@@ -80,14 +80,22 @@ def test_threads_sharing_one_client_read_their_own_bytes(pool_daemon: DaemonHand
 
 
 _CHILD_SAME_WRITE = """
-import sys, numpy as np
+import sys, time, numpy as np
 from kvpool import KVSpec, PoolClient
 spec = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 blocks = np.random.default_rng(5).integers(0, 2**16, (8, *spec.block_shape), dtype=np.uint16).view(np.float16)
 stored = present = in_flight = 0
 with PoolClient.connect(sys.argv[1], spec) as c:
+    warm = c.hashes(list(range(100_000, 100_000 + 16 * 8)))  # a first put maps its pages: not in the race
+    c.put(warm, blocks)
+    c.remove(warm)
+    time.sleep(max(0.0, float(sys.argv[2]) - time.monotonic()))  # both start together
     hashes = c.hashes(list(range(16 * 8)))
-    for _ in range(10):
+    rounds = 0
+    # at least 10 rounds, and on until this process stored something itself (the other one may
+    # have had every block in flight in each of them)
+    while rounds < 10 or (stored == 0 and rounds < 1000):
+        rounds += 1
         r = c.put(hashes, blocks)
         stored += r.stored; present += r.already_present; in_flight += r.in_flight
         c.remove(hashes[::3])
@@ -98,9 +106,10 @@ print(stored)
 
 
 def test_two_processes_writing_the_same_blocks_never_mix_bytes(pool_daemon: DaemonHandle) -> None:
+    start = time.monotonic() + 5.0  # CLOCK_MONOTONIC: one clock for every process of the host
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_CHILD_SAME_WRITE), pool_daemon.address],
+            [sys.executable, "-c", textwrap.dedent(_CHILD_SAME_WRITE), pool_daemon.address, str(start)],
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
