@@ -29,7 +29,6 @@ import fcntl
 import logging
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -37,7 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.core.pkeys import ProtectionKey, allocate_key
+from kvpool.core.pkeys import ProtectionKey, allocate_key, linux_libc
 
 log = logging.getLogger(__name__)
 
@@ -461,14 +460,11 @@ class _Libc:
 
     def __init__(self) -> None:
         self.usable = False
-        if not sys.platform.startswith("linux"):
+        libc = linux_libc()
+        if libc is None:
             return
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            self.mprotect = libc.mprotect
-            self.madvise = libc.madvise
-        except (OSError, AttributeError):
-            return
+        self.mprotect = libc.mprotect
+        self.madvise = libc.madvise
         for function in (self.mprotect, self.madvise):
             function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             function.restype = ctypes.c_int

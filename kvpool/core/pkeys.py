@@ -25,18 +25,29 @@ from contextlib import contextmanager
 PKEY_DISABLE_ACCESS = 1
 
 
+def linux_libc() -> ctypes.CDLL | None:
+    """The C library through ctypes (errno kept), on Linux; None elsewhere or where it cannot
+    be loaded (the callers then fall back: no keys here, no ``mprotect`` windows there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+
+
 class _Pkeys:
     """libc's ``pkey_*`` functions, or ``usable`` False where they are missing."""
 
     def __init__(self) -> None:
         self.usable = False
-        if not sys.platform.startswith("linux"):
+        libc = linux_libc()
+        if libc is None:
             return
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
             self.alloc, self.free, self.protect = libc.pkey_alloc, libc.pkey_free, libc.pkey_mprotect
             self.get, self.set = libc.pkey_get, libc.pkey_set
-        except (OSError, AttributeError):  # glibc before 2.27, or another libc
+        except AttributeError:  # glibc before 2.27, or another libc
             return
         self.alloc.argtypes = [ctypes.c_uint, ctypes.c_uint]
         self.free.argtypes = [ctypes.c_int]
