@@ -13,6 +13,7 @@ still verified on its own when it lands (``verify_in_place``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,6 +56,9 @@ def run_bounds(joins: Sequence[bool]) -> list[tuple[int, int]]:
 def span(rows: Sequence[np.ndarray]) -> np.ndarray:
     """One writable byte array over rows that ``reader_joins`` joined (the first row's owner,
     sliced): the target of the run's one receive."""
+    for before, row in itertools.pairwise(rows):
+        if not _end_to_end(before, row):  # the caller checked; a wrong span would write past the rows
+            raise ValueError("the rows do not lie end to end")
     root = _root(rows[0])
     flat = root.reshape(-1).view(np.uint8)  # a view: the owner is C-contiguous
     offset = rows[0].ctypes.data - flat.ctypes.data

@@ -303,9 +303,13 @@ class TcpTransport:
     def _read_op(self, peer: str) -> int:
         return self.read_op
 
-    def _request_prefix(self, dst: Sequence[np.ndarray]) -> bytes:
-        """What a read request carries between its header and its items (READ: nothing)."""
-        return b""
+    def _read_request(
+        self, sock: socket.socket, peer: str, namespace: bytes, packed_items: bytes, dst: Sequence[np.ndarray]
+    ) -> bytes:
+        """The request of one read on ``sock`` (a connection that passed ``_take``): its
+        header and items (subclasses add what the connection's server understands)."""
+        count = len(packed_items) // wire.READ_ITEM.size
+        return wire.pack_header(self._read_op(peer), count, namespace) + packed_items
 
     def _read_chunk(
         self,
@@ -318,13 +322,11 @@ class TcpTransport:
         sock: socket.socket | None = None
         progress = [0]  # leading items verified so far (kept up to date for the failure path)
         try:
-            request = (
-                wire.pack_header(self._read_op(peer), len(items), namespace)
-                + self._request_prefix(dst[: len(items)])
-                + wire.pack_read_items([(it.key, it.range_offset, it.range_length) for it in items])
-            )
+            packed_items = wire.pack_read_items([(it.key, it.range_offset, it.range_length) for it in items])
             sock, status, served, message = self._exchange(
-                peer, deadline, lambda s: wire.send_all(s, request, deadline)
+                peer,
+                deadline,
+                lambda s: wire.send_all(s, self._read_request(s, peer, namespace, packed_items, dst), deadline),
             )
             if status != wire.STATUS_OK:
                 self._give(peer, sock)  # a refusal is a whole reply: the stream is still in sync

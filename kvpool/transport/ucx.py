@@ -86,6 +86,7 @@ class _Link:
         if blocking:
             self.worker.init_blocking_progress_mode()
         self.endpoint: Any = None
+        self.runs = False  # the reader's side: the server said it serves READ_UCX_RUNS (UCX_HELLO)
         self.retired = False  # a direct receive was still posted at its deadline: never progressed again
         self.next_tag = 1
         self._staging = np.empty(0, dtype=np.uint8)
@@ -185,7 +186,7 @@ class UcxDataServer(TcpDataServer):
             link = _Link(peer_address, blocking=True)
             state["ucx"] = link
             mine = link.address
-            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(mine)) + mine)
+            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(mine), flags=wire.FLAG_UCX_RUNS) + mine)
             return True
         if op in (wire.OP_READ_UCX, wire.OP_READ_UCX_RUNS):
             asked = None  # READ_UCX: one message per item
@@ -193,8 +194,9 @@ class UcxDataServer(TcpDataServer):
                 asked = wire.unpack_joins(wire.recv_exact(conn, wire.joins_bytes(count)), count)
             upgraded = state.get("ucx")
             if not isinstance(upgraded, _Link):
+                wire.recv_exact(conn, count * wire.READ_ITEM.size)  # the whole request: the stream stays in step
                 conn.sendall(wire.pack_reply(wire.STATUS_BAD_REQUEST, 0, "READ_UCX before UCX_HELLO"))
-                return False  # the items were not read: the stream is out of sync, close it
+                return True
             self._serve_read_ucx(conn, count, namespace, upgraded, asked)
             return True
         return False
@@ -234,7 +236,7 @@ class UcxTransport(TcpTransport):
     """Reads over UCX (worker-address path), writes over TCP."""
 
     name = "ucx"
-    read_op = wire.OP_READ_UCX_RUNS
+    read_op = wire.OP_READ_UCX  # READ_UCX_RUNS on connections whose server offers it (_read_request)
     one_sided = True
 
     def __init__(
@@ -246,7 +248,7 @@ class UcxTransport(TcpTransport):
         message (READ_UCX_RUNS, ``kvpool.transport.runs``); False = one message per block
         (READ_UCX: what nodes before runs serve; the benchmark's A/B)."""
         super().__init__(timeout_s, streams)  # AUTH runs on the TCP connection before the UCX upgrade
-        self.read_op = wire.OP_READ_UCX_RUNS if runs else wire.OP_READ_UCX
+        self.runs = runs
         self.direct = not has_rdma() if direct is None else direct
         self._links: dict[socket.socket, _Link] = {}
         self._retired: list[_Link] = []  # kept alive, never progressed again
@@ -263,12 +265,13 @@ class UcxTransport(TcpTransport):
             link = _Link()
             mine = link.address
             wire.send_all(sock, wire.pack_header(wire.OP_UCX_HELLO, len(mine), b"\0" * 16) + mine, deadline)
-            status, count, message = wire.recv_reply(sock, deadline)
+            status, count, message, flags = wire.recv_reply_flags(sock, deadline)
             if status != wire.STATUS_OK:
                 raise InvalidArgument(
                     f"peer {peer} refused the UCX upgrade: {message}", hint="run it with --transport ucx"
                 )
             link.connect(wire.recv_exact(sock, count, deadline))
+            link.runs = self.runs and bool(flags & wire.FLAG_UCX_RUNS)  # a node before runs: READ_UCX
         except BaseException:
             sock.close()
             raise
@@ -292,11 +295,11 @@ class UcxTransport(TcpTransport):
         for length, _ in metas:
             starts.append(starts[-1] + length)
         rows = dst[: len(metas)]
-        direct = self._direct(rows)
-        joins = [False] * len(metas)  # READ_UCX (a reader of before runs): a message per item
-        if self.read_op == wire.OP_READ_UCX_RUNS:
+        direct = self._direct(dst)  # decided over the whole request, as _read_request did
+        joins = [False] * len(metas)  # READ_UCX: a message per item
+        if link.runs:
             joins = wire.unpack_joins(wire.recv_exact(sock, wire.joins_bytes(len(metas)), deadline), len(metas))
-        asked = self._asked_joins(rows)
+        asked = self._asked_joins(dst)[: len(metas)]
         if any(join and not ok for join, ok in zip(joins, asked)):
             raise ProtocolViolation(f"peer {peer} joins items into one message where the reader's rows do not allow it")
         bounds = run_bounds(joins)
@@ -308,7 +311,8 @@ class UcxTransport(TcpTransport):
         requests = [
             link.endpoint.tag_recv(Array(target), tag=ucx_api.UCXXTag(base | i)) for i, target in enumerate(targets)
         ]
-        self.counters["messages"] += len(requests)
+        with self._lock:  # several streams' threads receive at once
+            self.counters["messages"] += len(requests)
         try:
             link.wait(requests, deadline)  # the read's one deadline
         except TimeoutError:
@@ -342,10 +346,17 @@ class UcxTransport(TcpTransport):
             return reader_joins(rows)
         return [i > 0 for i in range(len(rows))]
 
-    def _request_prefix(self, dst: Sequence[np.ndarray]) -> bytes:
-        if self.read_op != wire.OP_READ_UCX_RUNS:
-            return b""
-        return wire.pack_joins(self._asked_joins(dst))
+    def _read_request(
+        self, sock: socket.socket, peer: str, namespace: bytes, packed_items: bytes, dst: Sequence[np.ndarray]
+    ) -> bytes:
+        """READ_UCX_RUNS with the rows' joins where the connection's server offers it, else READ_UCX."""
+        count = len(packed_items) // wire.READ_ITEM.size
+        with self._lock:
+            runs = self._links[sock].runs
+        if not runs:
+            return wire.pack_header(wire.OP_READ_UCX, count, namespace) + packed_items
+        joins = wire.pack_joins(self._asked_joins(dst[:count]))
+        return wire.pack_header(wire.OP_READ_UCX_RUNS, count, namespace) + joins + packed_items
 
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:

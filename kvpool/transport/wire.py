@@ -13,6 +13,9 @@
                       -> ReplyHeader(OK) or ReplyHeader(UNAUTHENTICATED) and the connection closes
                       (the ticket and its key come from the node's control plane: HelloReply)
 
+    UCX_HELLO  request : Header(op=UCX_HELLO, count=len(address)) + the reader's UCX worker address
+           reply       : ReplyHeader(OK, flags, count=len(address)) + the server's worker address;
+                         flags has FLAG_UCX_RUNS where the server serves READ_UCX_RUNS
     READ_UCX   request : as READ (after UCX_HELLO upgraded the connection)
            reply       : as READ's header and metas; the bytes follow as one UCX tag message per item
     READ_UCX_RUNS request : Header(op=READ_UCX_RUNS, count=n) + joins(n) + the n READ items, where
@@ -75,6 +78,9 @@ OP_NIXL_HELLO = 7  # count 0: the server's NIXL agent name; 1: its name and agen
 OP_NIXL_READ = 8  # like READ, but the reply carries arena addresses: the reader pulls (NIXL READ)
 OP_NIXL_DONE = 9  # the reader's pulls of the last NIXL_READ finished: the server releases its lease
 OP_READ_UCX_RUNS = 10  # like READ_UCX, but items lying end to end on both sides share one message
+#: in the UCX_HELLO reply's flags: this server serves READ_UCX_RUNS (servers before it send 0
+#: and are read with READ_UCX)
+FLAG_UCX_RUNS = 1
 #: the ops that read or write a namespace's blocks: admitted only for a principal that may use it
 NAMESPACE_OPS = (OP_READ, OP_WRITE, OP_READ_UCX, OP_READ_UCX_RUNS, OP_NIXL_READ)
 
@@ -169,19 +175,25 @@ def unpack_header(data: bytes) -> tuple[int, int, bytes]:
     return op, count, namespace
 
 
-def pack_reply(status: int, count: int, message: str = "") -> bytes:
+def pack_reply(status: int, count: int, message: str = "", flags: int = 0) -> bytes:
     text = message.encode("utf-8")[:MAX_MESSAGE]
-    return REPLY.pack(MAGIC, VERSION, status, 0, count, len(text)) + text
+    return REPLY.pack(MAGIC, VERSION, status, flags, count, len(text)) + text
 
 
 def recv_reply(sock: socket.socket, deadline: float | None = None) -> tuple[int, int, str]:
-    magic, version, status, _flags, count, msg_len = REPLY.unpack(recv_exact(sock, REPLY.size, deadline))
+    status, count, message, _flags = recv_reply_flags(sock, deadline)
+    return status, count, message
+
+
+def recv_reply_flags(sock: socket.socket, deadline: float | None = None) -> tuple[int, int, str, int]:
+    """``recv_reply`` and the reply's flags (what the server can do: ``FLAG_*``; 0 from older servers)."""
+    magic, version, status, flags, count, msg_len = REPLY.unpack(recv_exact(sock, REPLY.size, deadline))
     if magic != MAGIC or version != VERSION:
         raise InvalidArgument(f"bad reply header {magic!r} v{version}")
     if msg_len > MAX_MESSAGE or count > MAX_ITEMS:
         raise InvalidArgument("reply header out of bounds")
     message = recv_exact(sock, msg_len, deadline).decode("utf-8", "replace") if msg_len else ""
-    return status, count, message
+    return status, count, message, flags
 
 
 def pack_read_items(items: Sequence[tuple[bytes, int, int]]) -> bytes:

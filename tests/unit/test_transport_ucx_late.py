@@ -198,7 +198,7 @@ def test_a_timed_out_direct_read_retires_its_link_and_nothing_lands_later(
 
 
 def test_an_oversized_staging_buffer_is_let_go_after_the_read(node: PoolNode, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool.transport import ucx, wire
+    from kvpool.transport import ucx
 
     monkeypatch.setattr(ucx, "STAGING_KEEP_BYTES", BB)
     server = ucx.UcxDataServer(NodeBlockStore(node), "127.0.0.1:0")
@@ -217,7 +217,7 @@ def test_an_oversized_staging_buffer_is_let_go_after_the_read(node: PoolNode, mo
         assert transport.read(server.address, NS_DIGEST, [ReadItem(keys[1])], [one]).ok == 1
         np.testing.assert_array_equal(one, data[1])
         assert link._staging.nbytes == BB  # one block fits: kept for the next read
-        assert transport.read_op == wire.OP_READ_UCX_RUNS
+        assert link.runs  # the server offered READ_UCX_RUNS in UCX_HELLO
     finally:
         transport.close()
         server.stop()

@@ -181,3 +181,116 @@ def test_runs_cover_exactly_the_items_and_join_only_what_both_sides_allow(
     assert reader_joins([np.zeros(8, dtype=np.uint8) for _ in cuts]) == [False] * len(cuts)
     strided = list(np.zeros((len(cuts), 16), dtype=np.uint8)[:, ::2])
     assert reader_joins(strided) == [False] * len(cuts)
+
+
+@UCX
+@pytest.mark.ucx
+def test_a_node_before_runs_is_read_one_message_per_block(setup, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node that does not offer READ_UCX_RUNS in its UCX_HELLO (flags 0) is read with
+    READ_UCX; it would answer READ_UCX_RUNS as an unknown op."""
+    from kvpool.transport import ucx
+
+    node, _ = setup
+
+    class NodeBeforeRuns(ucx.UcxDataServer):
+        def _serve_other(self, conn, op, count, namespace, state):  # type: ignore[no-untyped-def]
+            if op == wire.OP_READ_UCX_RUNS:
+                return False  # "unknown op"
+            if op != wire.OP_UCX_HELLO:
+                return super()._serve_other(conn, op, count, namespace, state)
+            link = ucx._Link(wire.recv_exact(conn, count), blocking=True)
+            state["ucx"] = link
+            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(link.address)) + link.address)  # no flags
+            return True
+
+    old = NodeBeforeRuns(NodeBlockStore(node), "127.0.0.1:0")
+    old.start()
+    transport = ucx.UcxTransport(timeout_s=3.0, streams=1)
+    try:
+        keys, data = stored(node, old, transport, 6, seed=4)
+        out = np.zeros_like(data)
+        assert transport.read(old.address, NS_DIGEST, [ReadItem(k) for k in keys], list(out)).ok == 6
+        np.testing.assert_array_equal(out, data)
+        assert transport.counters["messages"] == 6
+        (link,) = transport._links.values()
+        assert not link.runs
+    finally:
+        transport.close()
+        old.stop()
+
+
+@UCX
+@pytest.mark.ucx
+def test_a_server_that_joins_rows_the_reader_did_not_offer_gets_a_miss_and_writes_nothing(setup) -> None:  # type: ignore[no-untyped-def]
+    """Rows of one array with gaps between them ([0], [2], [4]) never join; a server that
+    answers every item joined (which would make one receive span the rows in between, never
+    handed over) is a protocol violation: a miss, before any receive is posted."""
+    from kvpool.transport import ucx
+
+    node, _ = setup
+
+    class JoinsEverything(ucx.UcxDataServer):
+        def _serve_read_ucx(self, conn, count, namespace, link, asked):  # type: ignore[no-untyped-def]
+            leased = self._lease_for_read(conn, count, namespace)
+            assert leased is not None
+            lease_id, views, metas = leased
+            link.take_tag_base()
+            try:
+                joins = wire.pack_joins([i > 0 for i in range(len(views))])
+                conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas) + joins)
+            finally:
+                self._store.release(lease_id)
+
+    hostile = JoinsEverything(NodeBlockStore(node), "127.0.0.1:0")
+    hostile.start()
+    transport = ucx.UcxTransport(timeout_s=3.0, streams=1)
+    try:
+        keys, _ = stored(node, hostile, transport, 3, seed=5)
+        out = np.zeros((5, BB), dtype=np.uint8)
+        result = transport.read(hostile.address, NS_DIGEST, [ReadItem(k) for k in keys], [out[0], out[2], out[4]])
+        assert result.ok == 0 and "joins" in result.reason
+        assert not out.any()
+        assert transport.counters["messages"] == 0
+    finally:
+        transport.close()
+        hostile.stop()
+
+
+@UCX
+@pytest.mark.ucx
+def test_rows_that_stop_being_contiguous_past_what_the_node_holds_still_read(setup) -> None:  # type: ignore[no-untyped-def]
+    """The reader decides direct or staged over every row it asked for, the same when it
+    builds the request and when it receives: a strided row past the node's prefix makes the
+    whole read staged, and the node's joins are then allowed."""
+    from kvpool.transport import ucx
+
+    node, server = setup
+    transport = ucx.UcxTransport(timeout_s=3.0, streams=1)
+    try:
+        _, data = stored(node, server, transport, 4, seed=6)
+        out = np.zeros((4, BB), dtype=np.uint8)
+        strided = np.zeros((BB, 2), dtype=np.uint8)[:, 0]  # not C-contiguous
+        more = block_hashes(NS, np.arange(16 * 5))  # the fifth is not on the node
+        result = transport.read(server.address, NS_DIGEST, [ReadItem(k) for k in more], [*out, strided])
+        assert (result.ok, result.corrupt_index) == (4, -1)
+        np.testing.assert_array_equal(out, data)
+        assert transport.counters["staged_reads"] == 1
+    finally:
+        transport.close()
+
+
+@UCX
+@pytest.mark.ucx
+def test_read_ucx_runs_before_ucx_hello_is_refused_and_the_connection_stays_in_step(setup) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    _, server = setup
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=3.0) as sock:
+        keys = block_hashes(NS, np.arange(16 * 2))
+        request = wire.pack_header(wire.OP_READ_UCX_RUNS, 2, NS_DIGEST) + wire.pack_joins([False, True])
+        sock.sendall(request + wire.pack_read_items([(k, 0, 0) for k in keys]))
+        status, _, message = wire.recv_reply(sock, None)
+        assert status == wire.STATUS_BAD_REQUEST and "UCX_HELLO" in message
+        sock.sendall(wire.pack_header(wire.OP_PING, 0, NS_DIGEST))
+        assert wire.recv_reply(sock, None)[0] == wire.STATUS_OK  # one reply each: still in step
