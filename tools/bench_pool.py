@@ -293,14 +293,33 @@ def bench_hashing(repeats: int) -> list[dict[str, float]]:
     return rows
 
 
+#: a prompt lookup every this many ms in the paced measurement: one tenant at 50 prompts/s,
+#: within its default share of the daemon (--tenant-rate-units-per-s 1000: a 512-block lookup
+#: costs ~4.6 units, docs/security.md), so the figure is a lookup's latency, not the rate limit
+LOOKUP_PACE_MS = 20
+
+
 def bench_lookup(address: str, samples: int) -> dict[str, float]:
+    """A 512-block lookup's latency, paced (``LOOKUP_PACE_MS``), and back to back (where the
+    tenant's call rate holds it: the daemon's fairness, not the lookup, sets that figure)."""
     spec = KVSpec(model="bench-lookup", num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     tokens = np.arange(512 * 16)
     with PoolClient.connect(address, spec, salt=b"bench") as client:
         hashes = client.hashes(tokens)
         client.put(hashes, np.zeros((len(hashes), *spec.block_shape), dtype=np.float16))
-        times = sorted(timed(lambda: client.lookup(hashes)) for _ in range(samples))
-    return {"blocks": 512, "median_ms": statistics.median(times) * 1e3, "p99_ms": times[int(0.99 * len(times))] * 1e3}
+        back_to_back = sorted(timed(lambda: client.lookup(hashes)) for _ in range(samples))
+        paced = []
+        for _ in range(samples // 2):
+            time.sleep(LOOKUP_PACE_MS / 1e3)
+            paced.append(timed(lambda: client.lookup(hashes)))
+        paced.sort()
+    return {
+        "blocks": 512,
+        "median_ms": statistics.median(paced) * 1e3,
+        "p99_ms": paced[int(0.99 * len(paced))] * 1e3,
+        "back_to_back_median_ms": statistics.median(back_to_back) * 1e3,
+        "back_to_back_p99_ms": back_to_back[int(0.99 * len(back_to_back))] * 1e3,
+    }
 
 
 def print_sizes(title: str, rows: Sequence[dict[str, Any]]) -> None:
@@ -440,8 +459,10 @@ def main() -> int:
     print(f"target hashing <= 2 ms: worst {worst:.2f} ms -> {'MET' if worst <= 2.0 else 'MISSED'}")
     lk = results["lookup"]
     print(
-        f"lookup 512 blocks via daemon: median {lk['median_ms']:.3f} ms, p99 {lk['p99_ms']:.3f} ms -> "
-        f"{'MET' if lk['median_ms'] < 1.0 else 'MISSED'} (target < 1 ms median)"
+        f"lookup 512 blocks via daemon, one every {LOOKUP_PACE_MS} ms: median {lk['median_ms']:.3f} ms, "
+        f"p99 {lk['p99_ms']:.3f} ms -> {'MET' if lk['median_ms'] < 1.0 else 'MISSED'} (target < 1 ms median); "
+        f"back to back (the tenant's call rate): median {lk['back_to_back_median_ms']:.3f} ms, "
+        f"p99 {lk['back_to_back_p99_ms']:.3f} ms"
     )
     print(f"# load average at the end {os.getloadavg()}")
     if args.json:
