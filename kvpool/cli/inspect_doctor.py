@@ -221,7 +221,7 @@ def _nixl(config: DaemonConfig) -> Check:
             "nixl",
             "fail" if wanted else "skip",
             f"nixl-cu12 does not import ({why}): --transport nixl is unavailable",
-            "pip install --no-deps nixl-cu12==1.5.1",
+            "pip install 'kvpool[nixl]' (or pip install --no-deps nixl-cu12==1.5.1)",
         )
     try:
         backends = nixl_agent.usable_backends()

@@ -44,8 +44,10 @@ Loopback: UCX opens a TCP listener on every interface it may use. When the peer 
 listen address) is on loopback and the operator has not set ``UCX_NET_DEVICES``, the agent is
 created with ``UCX_NET_DEVICES=lo`` so it listens on 127.0.0.1 only (``ucx_overrides``).
 
-Installing: ``pip install --no-deps nixl-cu12==1.5.1``. Its metadata asks for an unpinned
-torch, which pip resolves to a CUDA build (5.7 GB); NIXL needs no torch for host memory.
+Installing: ``pip install 'kvpool[nixl]'`` (nixl-cu12 with torch pinned to the project's
+``torch==2.13.0``), or ``pip install --no-deps nixl-cu12==1.5.1`` beside any torch. Alone, its
+metadata's unpinned torch resolves to the newest CUDA build (5.7 GB); NIXL needs no torch for
+host memory.
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ log = logging.getLogger("kvpool.transport")
 
 NIXL_REQUIREMENT = "nixl-cu12==1.5.1"
 INSTALL_HINT = (
-    f"pip install --no-deps {NIXL_REQUIREMENT}  (--no-deps: its unpinned torch requirement pulls a CUDA "
-    "torch; NIXL needs no torch for host memory), or use --transport tcp / ucx"
+    f"pip install 'kvpool[nixl]', or pip install --no-deps {NIXL_REQUIREMENT} (alone, its unpinned torch "
+    "requirement pulls a CUDA torch; NIXL needs no torch for host memory), or use --transport tcp / ucx"
 )
 STAGING_KEEP_BYTES = 256 << 20  # a connection keeps a staging buffer up to this size between reads
 WINDOW_BYTES = 512 << 20  # one NIXL_READ request (and a staging buffer) moves at most this much

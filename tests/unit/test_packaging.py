@@ -71,12 +71,18 @@ def test_wheel_contains_mapped_packages_and_console_script(tmp_path: pathlib.Pat
 
 
 def test_dev_setup_installs_the_nixl_pin_the_transport_names() -> None:
-    """NIXL is installed by tools/dev.sh with --no-deps (not a pip extra): both name one pin."""
+    """NIXL: the ``kvpool[nixl]`` extra (with torch pinned to the project's, so nixl-cu12's
+    unpinned torch cannot resolve to a CUDA build) and tools/dev.sh's ``--no-deps`` install name
+    the pin the transport names."""
     from kvpool.transport.nixl import NIXL_REQUIREMENT
 
     script = (ROOT / "tools" / "dev.sh").read_text()
     assert f'NIXL_REQUIREMENT="{NIXL_REQUIREMENT}"' in script
     assert '--no-deps "$NIXL_REQUIREMENT"' in script
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert NIXL_REQUIREMENT in extras["nixl"]
+    torch_pins = {r for group in extras.values() for r in group if r.split(";")[0].strip().startswith("torch==")}
+    assert len(torch_pins) == 1 and torch_pins <= set(extras["nixl"])
 
 
 def test_version_matches_pyproject() -> None:

@@ -337,7 +337,7 @@ def test_nixl_missing_is_a_clear_error_naming_the_install_command(monkeypatch: p
     monkeypatch.setattr(nixl, "nixl_available", lambda: "ModuleNotFoundError: No module named 'nixl_cu12'")
     with pytest.raises(Unavailable, match="nixl") as err:
         make_transport("nixl")
-    assert "pip install --no-deps nixl-cu12" in str(err.value)
+    assert "pip install --no-deps nixl-cu12" in str(err.value) and "kvpool[nixl]" in str(err.value)
 
 
 def test_ucx_overrides_keep_loopback_on_lo_and_respect_the_operator(tmp_path: Path) -> None:
