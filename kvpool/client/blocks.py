@@ -108,6 +108,8 @@ def adjacent_runs(
     are adjacent in the arena but not in one mapping."""
     most = max(1, (COPY_RUN_BYTES if most_bytes is None else most_bytes) // block_bytes)
     n = len(offsets)
+    if len(indices) != n:
+        raise InvalidArgument(f"{n} slot offsets for {len(indices)} rows")
     if n == 0:
         return []
     # numpy, not a loop per block: a 256 MiB put of 16 KiB blocks has 16,384 of them
@@ -143,12 +145,17 @@ def write_rows(
     pass as its copy (module docstring). Adjacent slots of adjacent rows are one copy."""
     block_bytes = rows.shape[1]
     stream = len(offsets) * block_bytes >= STREAM_MIN_BYTES
+    copies = []  # (slots, rows) of each run, all checked before any byte is written
+    for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
+        offset, index = offsets[first], indices[first]
+        target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
+        copies.append((target, rows[index : index + count]))
     checksums: list[int] = []
-    with arena.writing() if isinstance(arena, PutWindow) else nullcontext():  # a keyed window: this thread only
-        for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
-            offset, index = offsets[first], indices[first]
-            target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
-            checksums.extend(copy_checksum_rows(target, rows[index : index + count], stream=stream))
+    for target, source in copies:
+        # a keyed window is open to this thread for the copy call only (no Python runs in it)
+        with arena.writing() if isinstance(arena, PutWindow) else nullcontext():
+            digests = copy_checksum_rows(target, source, stream=stream)
+        checksums.extend(digests)
     return checksums
 
 

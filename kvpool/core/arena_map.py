@@ -387,6 +387,7 @@ class WriteMapping:
             close_mapping(self._mmap)
             os.close(self._fd)
             raise
+        self._pid = os.getpid()  # a forked child does not have the mapping (MADV_DONTFORK)
         self._populated = np.zeros(mapped_bytes // page_bytes, dtype=np.bool_)  # one byte per page
         self._open_runs: dict[tuple[int, int], int] = {}  # (start, stop) -> open windows with it
         self._lock = threading.Lock()
@@ -402,6 +403,11 @@ class WriteMapping:
         with self._lock:
             if self._closed:
                 raise Unavailable("the arena mapping was closed during this put (the client reconnected)")
+            if os.getpid() != self._pid:  # its address may hold anything in the child
+                raise Unavailable(
+                    "this client's arena write mapping is not inherited by a forked child",
+                    hint="connect a new client in the child process",
+                )
             if self._key is None:
                 self._mprotect(start, stop, mmap.PROT_READ | mmap.PROT_WRITE)
             self._open_runs[(start, stop)] = self._open_runs.get((start, stop), 0) + 1

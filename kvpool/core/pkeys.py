@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 PKEY_DISABLE_ACCESS = 1
+MAX_KEYS = 16  # x86 PKU: keys 0-15, key 0 the default of every page
 
 
 def linux_libc() -> ctypes.CDLL | None:
@@ -56,6 +57,10 @@ class _Pkeys:
         self.set.argtypes = [ctypes.c_int, ctypes.c_uint]
         for function in (self.alloc, self.free, self.protect, self.get, self.set):
             function.restype = ctypes.c_int
+        # this thread's rights to the other keys when the first key was allocated: what the
+        # kernel starts every thread with (init_pkru). Read then, not here: reading them
+        # (RDPKRU) is an illegal instruction on a CPU without keys, where pkey_alloc fails first
+        self.started: dict[int, int] | None = None
         self.usable = True
 
 
@@ -75,6 +80,13 @@ class ProtectionKey:
             err = ctypes.get_errno()
             raise OSError(err, f"pkey_alloc: {os.strerror(err)}")
         self.key = key
+        if _pkeys.started is None:  # the first key of this process (its own rights were just set)
+            _pkeys.started = {k: _pkeys.get(k) for k in range(1, MAX_KEYS) if k != key}
+        if any(rights < 0 or not rights & PKEY_DISABLE_ACCESS for rights in _pkeys.started.values()):
+            # threads start with this key allowed here (an init_pkru of 0): the other threads
+            # of this process could write the tagged pages, so the key guards nothing
+            self.free()
+            raise OSError("threads start with protection keys allowed on this kernel (init_pkru)")
 
     def tag(self, address: int, length: int, prot: int) -> None:
         """Set ``[address, address + length)`` to ``prot`` and tag it with this key."""
@@ -87,16 +99,26 @@ class ProtectionKey:
         """Let the calling thread read and write pages of this key for the block; its rights
         before are restored after (denied, unless an outer block holds the key open)."""
         before = _pkeys.get(self.key)
-        _pkeys.set(self.key, 0)
+        if before < 0:
+            raise OSError(f"pkey_get of key {self.key} failed")
+        _set_rights(self.key, 0)
         try:
             yield
         finally:
-            _pkeys.set(self.key, before if before >= 0 else PKEY_DISABLE_ACCESS)
+            _set_rights(self.key, before)
 
     def free(self) -> None:
         if self.key >= 0:
             _pkeys.free(self.key)
             self.key = -1
+
+
+def _set_rights(key: int, rights: int) -> None:
+    """This thread's rights to ``key``; ``OSError`` if they could not be set (never a key
+    silently left open, nor a copy into pages it would fault on)."""
+    if _pkeys.set(key, rights) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pkey_set of key {key}: {os.strerror(err)}")
 
 
 def allocate_key() -> ProtectionKey | None:

@@ -30,7 +30,7 @@ def keys_here() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not (can_protect() and keys_here()), reason="no memory protection keys here")
+needs_keys = pytest.mark.skipif(not (can_protect() and keys_here()), reason="no memory protection keys here")
 
 
 def client() -> tuple[ArenaMapping, int]:
@@ -53,6 +53,7 @@ def pkeys_of(fd: int) -> list[tuple[str, int]]:
     return out
 
 
+@needs_keys
 def test_own_copy_puts_write_through_one_keyed_mapping_inside_writing_only() -> None:
     arena, fd = client()
     try:
@@ -75,6 +76,7 @@ def test_own_copy_puts_write_through_one_keyed_mapping_inside_writing_only() -> 
     assert keyed is not None and keyed._key is not None and keyed._key.key == -1  # freed with the mapping
 
 
+@pytest.mark.skipif(not can_protect(), reason="no mprotect here")
 def test_without_a_key_own_copy_puts_fall_back_to_mprotect(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvpool.core.arena_map as arena_map
 
@@ -124,6 +126,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@needs_keys
 @pytest.mark.parametrize(
     ("case", "dies"), [("inside", False), ("outside", True), ("after", True), ("other-thread", True)]
 )
