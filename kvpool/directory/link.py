@@ -127,6 +127,10 @@ class DirectoryLink:
             try:
                 return getattr(stub, name)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.CANCELLED and self._stub is not stub:
+                    # another thread of this client found the leader again meanwhile and closed
+                    # the channel this call was on (``_use``): a failover step, retried like one
+                    raise Unavailable(f"the call to {leader} was cut by a switch of leader") from None
                 raise from_rpc_error(exc, leader) from None
 
         def rediscover(err: BaseException) -> None:
