@@ -3,10 +3,13 @@
 Each TCP data connection is upgraded once: the client sends its UCX *worker address*,
 the server creates an endpoint to it (endpoint error handling off, which is what lets
 UCX pick shared memory - sm/cma/posix - between processes of one host, and RDMA where
-the build has verbs) and answers with its own worker address. Reads then go as
-``OP_READ_UCX``: the request, the reply header and every (length, checksum) travel on the
-TCP connection; the block bytes travel as one UCX tag message per item, all posted at once
-(pipelined). The server holds its store read lease until every send has completed.
+the build has verbs) and answers with its own worker address, and whether it serves runs
+(``FLAG_UCX_RUNS``). Reads then go as ``OP_READ_UCX_RUNS`` (``OP_READ_UCX`` to a node before
+runs): the request, the reply header and every (length, checksum) travel on the TCP
+connection; the block bytes travel as UCX tag messages, all posted at once (pipelined), one
+per run of blocks that lie end to end in the node's arena and in the reader's array
+(``kvpool.transport.runs``; one per block for a node before runs). The server holds its store
+read lease until every send has completed.
 
 Where the bytes land. A receive UCX has matched cannot be cancelled, so after a timeout
 bytes may still arrive; they must never reach rows already reported as a miss.
