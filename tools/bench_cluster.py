@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         "--one-stream-rows",
         action="store_true",
         help="also time readers that keep each read on one connection (read_streams=1), interleaved "
-        "with the default ones (one stream per core, at most 4): the multi-stream A/B",
+        "with the default ones (ucx / nixl: one stream per core, at most 4; tcp: 1 already, so its "
+        "'1 stream' rows repeat the default and show the spread of identical readers): the multi-stream A/B",
     )
     parser.add_argument(
         "--ucx-per-item-rows",

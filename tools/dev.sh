@@ -30,9 +30,9 @@ setup() {
     # the CPU torch ('operator torchvision::nms does not exist' as soon as transformers imports
     # them); kvpool and vLLM's text models need none of them.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-    # NIXL data plane (--transport nixl). --no-deps: nixl-cu12 declares an unpinned torch, which pip
-    # resolves to a CUDA build (5.7 GB) unless a CPU wheel is at hand; NIXL needs no torch on host
-    # memory, and a pip extra cannot say --no-deps, so it is not a kvpool[...] extra (docs/cluster.md).
+    # NIXL data plane (--transport nixl). --no-deps: nixl-cu12 declares an unpinned torch, and this
+    # venv keeps the torch installed above; NIXL needs no torch on host memory. Users without a torch
+    # of their own install the kvpool[nixl] extra, which pins it (docs/cluster.md).
     "$VENV/bin/python" -m pip install -q --no-compile --no-deps "$NIXL_REQUIREMENT"
     # etcd (a system binary) for multi-node pools and the cluster tests: installed when this is a
     # root shell with apt-get (CI, containers); otherwise those tests skip and say how to get it.

@@ -205,7 +205,8 @@ class ClusterClient:
         ``directory_tls_root_certs`` the directory (its own option: a cluster may run TLS on
         one and not the other; pass the same CA for both where one CA signed them all).
         ``read_streams``: the most data connections one large read from a node is spread
-        over (0 = one per core, at most 4; docs/cluster.md, Data plane)."""
+        over (0 = the data plane's default: 1 for tcp, one per core up to 4 for ucx and nixl;
+        docs/cluster.md, Data plane)."""
         namespace = Namespace(spec, salt, adapter)
         session = EtcdSession(etcd).start() if etcd else None
         link = DirectoryLink(

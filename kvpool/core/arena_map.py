@@ -11,8 +11,9 @@ until the put's bytes are in. A stray write anywhere else, or after the put, is 
 the client, never a change to another block. Where slots are whole pages, the window opens
 pages of one writable mapping of the arena that is kept ``PROT_NONE`` between puts
 (``mprotect``, ``ProtectedWindow``): mapping and unmapping a window per put cost a third of
-the copy's time on 4 KiB pages (faulting every page in, then a TLB shootdown), switching the
-protection of pages that stay mapped costs a third of that (docs/benchmarks.md). A put whose
+the copy's time on 4 KiB pages (faulting every page in, then a TLB shootdown); switching the
+protection of pages that stay mapped costs less (~13 ms against ~55 ms per 256 MiB), still a
+large part of a put (docs/benchmarks.md, "What limits a put here"). A put whose
 bytes the client copies itself (``PoolClient.put``: one thread, our own copy routine) uses a
 second kept mapping whose pages carry a memory protection key instead (``kvpool.core.pkeys``,
 where the CPU has them): no thread may touch it except the copying one, during the copy

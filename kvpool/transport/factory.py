@@ -78,8 +78,8 @@ def _make_data_server(kind: str, store: BlockStore, listen: str, credentials: Cr
 def make_transport(kind: str, timeout_s: float = 10.0, streams: int = 0) -> Transport:
     """A reader of ``kind``. A node with credentials admits its connections with a ticket its
     control plane issued (``Transport.use_tickets``), never with the token itself.
-    ``streams``: the most connections one large read is spread over (0 = one per core, at
-    most 4; ``kvpool.transport.tcp``)."""
+    ``streams``: the most connections one large read is spread over (0 = the data plane's
+    default: 1 for tcp, one per core up to 4 for ucx and nixl; ``kvpool.transport.tcp``)."""
     _check_kind(kind)
     if kind == "nixl":
         from kvpool.transport.nixl import NixlTransport, require_nixl

@@ -53,8 +53,8 @@ DEAD_POOLED_CONNECTION = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attem
 #: a read is spread over parallel connections only in parts of at least this many bytes
 #: (below it, a second connection's request and thread hand-off cost more than they save)
 STREAM_MIN_BYTES = 4 << 20
-#: the most parts one read is cut into (``TcpTransport(streams=)``; the default is the
-#: host's core count up to this: each stream keeps one core busy)
+#: the most parts one read may be cut into (``TcpTransport(streams=)``); the default
+#: (``default_streams``) is 1 for TCP and the core count up to 4 for the one-sided planes
 MAX_STREAMS = 8
 
 

@@ -165,7 +165,7 @@ class _Link:
 
 
 class UcxDataServer(TcpDataServer):
-    """``TcpDataServer`` that also serves ``OP_READ_UCX`` on upgraded connections."""
+    """``TcpDataServer`` that also serves ``OP_READ_UCX`` and ``OP_READ_UCX_RUNS`` on upgraded connections."""
 
     def __init__(
         self,
