@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -382,6 +383,10 @@ class WriteMapping:
                 self._mprotect(0, mapped_bytes, PROT_NONE)  # nothing was touched while it was writable
             else:  # denied to every thread from here on; nothing touched it before
                 key.tag(self._address, mapped_bytes, mmap.PROT_READ | mmap.PROT_WRITE)
+                # a process has 15 keys: give this one back when the pages are gone, even where
+                # the client is dropped unclosed (CPython runs an mmap's weakref callbacks after
+                # its munmap, so nothing is tagged with the key by then; free is idempotent)
+                weakref.finalize(self._mmap, key.free)
             self._mmap.madvise(mmap.MADV_DONTFORK)
         except BaseException:
             self.view = np.empty(0, dtype=np.uint8)

@@ -2,8 +2,9 @@
 every call): a key is open to a thread only inside ``open()``, restored on an exception and
 when nested, never left open by a failed ``pkey_set``; a kernel whose threads start with keys
 allowed gets no key (mprotect windows instead); a put's copy opens the key around the copy
-call only; a forked child cannot write through its parent's mapping; the numpy slot check of
-a put window agrees with a plain reading of its rule. The real keys, in a real process, are
+call only; a forked child cannot write through its parent's mapping; a mapping dropped
+unclosed gives its key back; the numpy slot check of a put window agrees with a plain reading
+of its rule. The real keys, in a real process, are
 ``test_arena_keys.py`` (where the CPU has them)."""
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class FakePkeys:
     def free(self, key: int) -> int:
         self.allocated.discard(key)
         return 0
+
+    def protect(self, address: int, length: int, prot: int, key: int) -> int:
+        return 0  # nothing tagged for real: the bookkeeping is what these tests look at
 
     def get(self, key: int) -> int:
         return self.rights.get(key, -1)
@@ -218,3 +222,28 @@ def test_the_window_slot_check_is_the_plain_rule(
     else:
         with pytest.raises(InvalidArgument):
             window.view_of(start, stop)
+
+
+def test_a_keyed_mapping_dropped_without_close_gives_its_key_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """15 keys per process: a client dropped unclosed must not keep one (the key is freed once
+    the mapping's pages are gone, never before)."""
+    import gc
+
+    from kvpool.core.arena_map import WriteMapping
+
+    fake = FakePkeys()
+    monkeypatch.setattr(pkeys, "_pkeys", fake)
+    fd = os.memfd_create("test-arena-keyed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4 * PAGE)
+        mapping = WriteMapping(fd, 4 * PAGE, PAGE, pkeys.ProtectionKey())
+        assert len(fake.allocated) == 1
+        del mapping
+        gc.collect()
+        assert not fake.allocated
+        closed = WriteMapping(fd, 4 * PAGE, PAGE, pkeys.ProtectionKey())
+        closed.close()  # the usual way: freed at the unmap, and only once
+        gc.collect()
+        assert not fake.allocated
+    finally:
+        os.close(fd)
