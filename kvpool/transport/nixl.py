@@ -77,6 +77,7 @@ from kvpool.transport.nixl_agent import (
     ucx_overrides,
     usable_backends,
 )
+from kvpool.transport.runs import row_spans
 from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, TcpTransport, split_address
 from kvpool.transport.tcp_server import TcpDataServer
 from kvpool.transport.verify import copy_verified, verify_in_place
@@ -102,29 +103,12 @@ INSTALL_HINT = (
 STAGING_KEEP_BYTES = 256 << 20  # a connection keeps a staging buffer up to this size between reads
 WINDOW_BYTES = 512 << 20  # one NIXL_READ request (and a staging buffer) moves at most this much
 MAX_AGENT_NAME_BYTES = 256
-MAX_DIRECT_SPANS = 64  # rows in more contiguous pieces than this are read staged
 #: retired connections (a READ still running at its deadline) are kept for the process's life;
 #: past this many the transport logs an error on each new one (a peer that keeps stalling)
 RETIRED_WARN_COUNT = 16
-
-
-def row_spans(rows: Sequence[np.ndarray], max_spans: int = 0) -> list[tuple[int, int]] | None:
-    """The (address, bytes) spans covering ``rows`` in order, adjacent rows merged; None when a
-    row is not a writable C-contiguous buffer or there are more than ``max_spans`` spans (then
-    registering them would cost more than staging; ``max_spans`` 0 = ``MAX_DIRECT_SPANS``)."""
-    max_spans = max_spans or MAX_DIRECT_SPANS
-    spans: list[tuple[int, int]] = []
-    for row in rows:
-        if not (row.flags.c_contiguous and row.flags.writeable):
-            return None
-        address, nbytes = int(row.ctypes.data), int(row.nbytes)
-        if spans and spans[-1][0] + spans[-1][1] == address:
-            spans[-1] = (spans[-1][0], spans[-1][1] + nbytes)
-            continue
-        spans.append((address, nbytes))
-        if len(spans) > max_spans:
-            return None
-    return spans
+#: rows in more contiguous pieces than this are read staged (registering them would cost more
+#: than the copy out of the staging buffer)
+MAX_DIRECT_SPANS = 64
 
 
 class NixlDataServer(TcpDataServer):
@@ -177,9 +161,10 @@ class NixlDataServer(TcpDataServer):
         leased = self._lease_for_read(conn, count, namespace)
         if leased is None:
             return
-        lease_id, views, metas = leased
+        lease_id, views, metas, offsets = leased
         try:
-            addresses = [wire.NIXL_ADDRESS.pack(np.frombuffer(view, dtype=np.uint8).ctypes.data) for view in views]
+            origin = self._store.arena().ctypes.data
+            addresses = [wire.NIXL_ADDRESS.pack(origin + offset) for offset in offsets]
             conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas) + b"".join(addresses))
             if not views:
                 return
@@ -379,7 +364,7 @@ class NixlTransport(TcpTransport):
 
     def _register_rows(self, conn: _Conn, rows: Sequence[np.ndarray]) -> Any:
         """Register the caller's rows for one direct READ; None = read staged instead."""
-        spans = row_spans(rows)
+        spans = row_spans(rows, MAX_DIRECT_SPANS)
         if spans is None:
             return None
         try:

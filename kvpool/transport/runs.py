@@ -1,4 +1,4 @@
-"""Runs of blocks that lie end to end on both sides of a read, moved as one message.
+"""Runs of blocks that lie end to end in memory, moved (or registered) as one piece.
 
 A UCX read of a whole prompt is hundreds of blocks; sent one tag message each, every block
 pays a rendezvous (request, get, completion) on both workers: on this host 512 x 256 KiB
@@ -6,45 +6,32 @@ messages moved 128 MiB at about half the speed of one 128 MiB message (the same 
 same two processes). A batch the client put together usually sits end to end in the node's
 arena (the allocator places one batch's blocks adjacently) and is usually read into rows of
 one array, so most prompts are a handful of runs. The reader says which of its rows continue
-the row before (``reader_joins``), the server keeps only the joins its arena also has
+the row before (``row_joins``), the server keeps only the joins its arena also has
 (``server_runs``) and answers its cut; each run is then one message, and every block in it is
-still verified on its own when it lands (``verify_in_place``).
+still verified on its own when it lands (``verify_in_place``). NIXL registers the same runs of
+the reader's rows (``row_spans``).
+
+Rows join by address alone: a run's span covers exactly its rows' bytes, whichever arrays
+they belong to, so it never reaches memory the caller did not hand over.
 """
 
 from __future__ import annotations
 
-import itertools
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 
 
-def _root(row: np.ndarray) -> np.ndarray:
-    """The array that owns ``row``'s memory (the last ndarray up its chain of bases)."""
-    while isinstance(row.base, np.ndarray):
-        row = row.base
-    return row
+def writable_rows(rows: Sequence[np.ndarray]) -> bool:
+    """Whether every row is a writable C-contiguous buffer (a read may land in it directly)."""
+    return all(row.flags.c_contiguous and row.flags.writeable for row in rows)
 
 
-def _end_to_end(before: np.ndarray, row: np.ndarray) -> bool:
-    return before.ctypes.data + before.nbytes == row.ctypes.data and _root(before) is _root(row)
-
-
-def reader_joins(rows: Sequence[np.ndarray]) -> list[bool]:
-    """Per row: whether it starts where the row before ends, in memory of the same owner (a
-    contiguous owner, so one span covers both: ``span``). Rows not C-contiguous or not
-    writable never join."""
-    joins = [False] * len(rows)
-    for i in range(1, len(rows)):
-        before, row = rows[i - 1], rows[i]
-        joins[i] = (
-            before.flags.c_contiguous
-            and row.flags.c_contiguous
-            and row.flags.writeable
-            and _root(row).flags.c_contiguous
-            and _end_to_end(before, row)
-        )
-    return joins
+def row_joins(rows: Sequence[np.ndarray]) -> list[bool]:
+    """Per row: whether it starts where the row before ends (rows from ``writable_rows``)."""
+    addresses = [int(row.ctypes.data) for row in rows]
+    return [i > 0 and addresses[i - 1] + rows[i - 1].nbytes == addresses[i] for i in range(len(rows))]
 
 
 def run_bounds(joins: Sequence[bool]) -> list[tuple[int, int]]:
@@ -53,39 +40,33 @@ def run_bounds(joins: Sequence[bool]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in zip(starts, [*starts[1:], len(joins)])]
 
 
+def row_spans(rows: Sequence[np.ndarray], max_spans: int = 0) -> list[tuple[int, int]] | None:
+    """The (address, bytes) spans covering ``rows`` in order, adjacent rows merged; None when a
+    row is not a writable C-contiguous buffer or there are more than ``max_spans`` spans
+    (0 = no limit)."""
+    if not writable_rows(rows):
+        return None
+    bounds = run_bounds(row_joins(rows))
+    if max_spans and len(bounds) > max_spans:
+        return None
+    return [(int(rows[start].ctypes.data), sum(row.nbytes for row in rows[start:end])) for start, end in bounds]
+
+
 def span(rows: Sequence[np.ndarray]) -> np.ndarray:
-    """One writable byte array over rows that ``reader_joins`` joined (the first row's owner,
-    sliced): the target of the run's one receive."""
-    for before, row in itertools.pairwise(rows):
-        if not _end_to_end(before, row):  # the caller checked; a wrong span would write past the rows
-            raise ValueError("the rows do not lie end to end")
-    root = _root(rows[0])
-    flat = root.reshape(-1).view(np.uint8)  # a view: the owner is C-contiguous
-    offset = rows[0].ctypes.data - flat.ctypes.data
+    """One writable byte array over rows that lie end to end (``row_joins``): the target of
+    their run's one receive. It does not own the memory: the rows must outlive the receive."""
+    if not all(row_joins(rows)[1:]):  # the caller checked; a wrong span would write past the rows
+        raise ValueError("the rows do not lie end to end")
     nbytes = sum(row.nbytes for row in rows)
-    if offset < 0 or offset + nbytes > flat.nbytes:
-        raise ValueError("the rows do not lie inside one array")
-    return flat[offset : offset + nbytes]
+    return np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(int(rows[0].ctypes.data))), dtype=np.uint8)
 
 
 def server_runs(
-    arena: np.ndarray, views: Sequence[memoryview], asked: Sequence[bool]
+    arena: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], asked: Sequence[bool]
 ) -> tuple[list[bool], list[np.ndarray]]:
-    """The server's cut of a READ_UCX_RUNS: join an item to the one before where the reader
-    asked for it and the two lie end to end in ``arena``; returns the joins (the reply's
-    bitmap) and one array per run (what each message sends)."""
-    origin = arena.ctypes.data
-    addresses = [np.frombuffer(view, dtype=np.uint8).ctypes.data - origin for view in views]
-    inside = [at >= 0 and at + len(view) <= arena.nbytes for at, view in zip(addresses, views)]
-    joins = [False] * len(views)
-    for i in range(1, len(views)):
-        end_to_end = addresses[i - 1] + len(views[i - 1]) == addresses[i]
-        joins[i] = bool(asked[i]) and inside[i - 1] and inside[i] and end_to_end
-    runs = []
-    for start, stop in run_bounds(joins):
-        first = addresses[start]
-        if stop - start == 1:
-            runs.append(np.frombuffer(views[start], dtype=np.uint8))
-        else:
-            runs.append(arena[first : addresses[stop - 1] + len(views[stop - 1])])
+    """The server's cut of a READ_UCX_RUNS over leased items at arena ``offsets``: join an item
+    to the one before where the reader asked for it and the two lie end to end in ``arena``;
+    returns the joins (the reply's bitmap) and one array per run (what each message sends)."""
+    joins = [i > 0 and bool(asked[i]) and offsets[i - 1] + lengths[i - 1] == offsets[i] for i in range(len(offsets))]
+    runs = [arena[offsets[start] : offsets[end - 1] + lengths[end - 1]] for start, end in run_bounds(joins)]
     return joins, runs

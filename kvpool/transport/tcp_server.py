@@ -17,6 +17,7 @@ import ssl
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,6 +44,15 @@ DEFAULT_MAX_CONNECTIONS = 256
 #: how long ``TcpDataServer.stop`` waits for its connection workers (a UCX one may be in a
 #: transfer with its own deadline)
 STOP_JOIN_S = 10.0
+
+
+class LeasedRead(NamedTuple):
+    """The blocks of a READ, leased in the node's store until ``lease_id`` is released."""
+
+    lease_id: int
+    views: list[memoryview]  # the bytes each item asked for, in the arena
+    metas: list[bytes]  # per item: READ_META (length, checksum)
+    offsets: list[int]  # per item: where its view starts in the arena (``BlockStore.arena``)
 
 
 class TcpDataServer:
@@ -281,10 +291,8 @@ class TcpDataServer:
     def _close_state(self, state: dict[str, object]) -> None:
         """Release a connection's subclass state."""
 
-    def _lease_for_read(
-        self, conn: socket.socket, count: int, namespace: bytes
-    ) -> tuple[int, list[memoryview], list[bytes]] | None:
-        """Parse a READ request and lease its blocks: (lease id, views, metas); None if refused."""
+    def _lease_for_read(self, conn: socket.socket, count: int, namespace: bytes) -> LeasedRead | None:
+        """Parse a READ request and lease its blocks; None if refused (answered)."""
         items = wire.unpack_read_items(wire.recv_exact(conn, count * wire.READ_ITEM.size), count)
         try:
             block_bytes = self._store.block_bytes(namespace)
@@ -313,6 +321,7 @@ class TcpDataServer:
             arena = self._store.arena()
             metas: list[bytes] = []
             views: list[memoryview] = []
+            offsets: list[int] = []
             verified: set[int] = set()  # arena offsets of blocks checked whole (several ranges of one block)
             rotten: list[bytes] = []  # found bad here: dropped (re-verified by the store) after the loop
             for i, ((key, off, length), (offset, size, checksum)) in enumerate(zip(items, grant.locations)):
@@ -337,6 +346,7 @@ class TcpDataServer:
                     verified.add(offset)
                 metas.append(wire.READ_META.pack(length, checksum if whole else checksum64(chunk)))
                 views.append(memoryview(chunk))  # type: ignore[arg-type]
+                offsets.append(offset + off)
         except BaseException:
             if grant.lease_id:
                 self._store.release(grant.lease_id)
@@ -348,21 +358,20 @@ class TcpDataServer:
                 self._store.drop_corrupt(namespace, rotten)
             except KVPoolError as err:  # e.g. the namespace was retired meanwhile: still serve the rest
                 log.warning("data plane: could not drop rotten block %s: %s", rotten[0].hex(), err)
-        return grant.lease_id, views, metas
+        return LeasedRead(grant.lease_id, views, metas, offsets)
 
     def _serve_read(self, conn: socket.socket, count: int, namespace: bytes) -> None:
         leased = self._lease_for_read(conn, count, namespace)
         if leased is None:
             return
-        lease_id, views, metas = leased
         try:
-            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas))
-            for view in views:
+            conn.sendall(wire.pack_reply(wire.STATUS_OK, len(leased.views)) + b"".join(leased.metas))
+            for view in leased.views:
                 conn.sendall(view)
                 self.bytes_sent += len(view)
         finally:
-            if lease_id:
-                self._store.release(lease_id)
+            if leased.lease_id:
+                self._store.release(leased.lease_id)
 
     def _serve_write(self, conn: socket.socket, count: int, namespace: bytes, peer: str) -> bool:
         """Returns False when the connection must be closed (stream no longer in sync)."""

@@ -48,7 +48,7 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.transport import wire
 from kvpool.transport.base import BlockStore
 from kvpool.transport.nixl_agent import has_rdma
-from kvpool.transport.runs import reader_joins, run_bounds, server_runs, span
+from kvpool.transport.runs import row_joins, run_bounds, server_runs, span, writable_rows
 from kvpool.transport.tcp import DEFAULT_TIMEOUT_S, ProtocolViolation, TcpTransport
 from kvpool.transport.tcp_server import TcpDataServer
 from kvpool.transport.verify import copy_verified, verify_in_place
@@ -90,6 +90,7 @@ class _Link:
             self.worker.init_blocking_progress_mode()
         self.endpoint: Any = None
         self.runs = False  # the reader's side: the server said it serves READ_UCX_RUNS (UCX_HELLO)
+        self.asked: list[bool] = []  # the reader's side: the joins its current request offered
         self.retired = False  # a direct receive was still posted at its deadline: never progressed again
         self.next_tag = 1
         self._staging = np.empty(0, dtype=np.uint8)
@@ -210,13 +211,13 @@ class UcxDataServer(TcpDataServer):
         leased = self._lease_for_read(conn, count, namespace)
         if leased is None:
             return  # refused: neither side takes a tag base
-        lease_id, views, metas = leased
+        lease_id, views, metas, offsets = leased
         base = link.take_tag_base()  # both sides count accepted reads: tags stay in step
         try:
             reply = wire.pack_reply(wire.STATUS_OK, len(views)) + b"".join(metas)
             messages: Sequence[object] = views
             if asked is not None:
-                joins, messages = server_runs(self._store.arena(), views, asked)
+                joins, messages = server_runs(self._store.arena(), offsets, [len(v) for v in views], asked)
                 reply += wire.pack_joins(joins)
             conn.sendall(reply)
             requests = [
@@ -239,7 +240,6 @@ class UcxTransport(TcpTransport):
     """Reads over UCX (worker-address path), writes over TCP."""
 
     name = "ucx"
-    read_op = wire.OP_READ_UCX  # READ_UCX_RUNS on connections whose server offers it (_read_request)
     one_sided = True
 
     def __init__(
@@ -302,8 +302,7 @@ class UcxTransport(TcpTransport):
         joins = [False] * len(metas)  # READ_UCX: a message per item
         if link.runs:
             joins = wire.unpack_joins(wire.recv_exact(sock, wire.joins_bytes(len(metas)), deadline), len(metas))
-        asked = self._asked_joins(dst)[: len(metas)]
-        if any(join and not ok for join, ok in zip(joins, asked)):
+        if any(join and not ok for join, ok in zip(joins, link.asked)):
             raise ProtocolViolation(f"peer {peer} joins items into one message where the reader's rows do not allow it")
         bounds = run_bounds(joins)
         if direct:
@@ -340,14 +339,7 @@ class UcxTransport(TcpTransport):
 
     def _direct(self, rows: Sequence[np.ndarray]) -> bool:
         """Whether a read lands straight in ``rows`` (module docstring), else in staging."""
-        return self.direct and all(row.flags.c_contiguous and row.flags.writeable for row in rows)
-
-    def _asked_joins(self, rows: Sequence[np.ndarray]) -> list[bool]:
-        """Which items may share a message with the one before: rows end to end in one array
-        (direct), or any (staged: the staging buffer is one piece)."""
-        if self._direct(rows):
-            return reader_joins(rows)
-        return [i > 0 for i in range(len(rows))]
+        return self.direct and writable_rows(rows)
 
     def _read_request(
         self, sock: socket.socket, peer: str, namespace: bytes, packed_items: bytes, dst: Sequence[np.ndarray]
@@ -355,11 +347,15 @@ class UcxTransport(TcpTransport):
         """READ_UCX_RUNS with the rows' joins where the connection's server offers it, else READ_UCX."""
         count = len(packed_items) // wire.READ_ITEM.size
         with self._lock:
-            runs = self._links[sock].runs
-        if not runs:
+            link = self._links[sock]
+        if not link.runs:
+            link.asked = [False] * count
             return wire.pack_header(wire.OP_READ_UCX, count, namespace) + packed_items
-        joins = wire.pack_joins(self._asked_joins(dst[:count]))
-        return wire.pack_header(wire.OP_READ_UCX_RUNS, count, namespace) + joins + packed_items
+        # which items may share a message with the one before: rows end to end (direct), or
+        # any (staged: the staging buffer is one piece); _receive holds the node's cut to it
+        rows = dst[:count]
+        link.asked = row_joins(rows) if self._direct(rows) else [i > 0 for i in range(count)]
+        return wire.pack_header(wire.OP_READ_UCX_RUNS, count, namespace) + wire.pack_joins(link.asked) + packed_items
 
     def _discard(self, sock: socket.socket) -> None:
         with self._lock:

@@ -60,7 +60,7 @@ def late_server(store: NodeBlockStore) -> object:
         ) -> None:
             leased = self._lease_for_read(conn, count, namespace)
             assert leased is not None
-            lease_id, views, metas = leased
+            lease_id, views, metas, _ = leased
             base = link.take_tag_base()
             try:
                 joins = b"" if asked is None else wire.pack_joins([False] * len(views))  # a message per item

@@ -23,7 +23,7 @@ from kvpool.daemon.node import PoolNode
 from kvpool.transport import wire
 from kvpool.transport.base import ReadItem
 from kvpool.transport.factory import ucx_available
-from kvpool.transport.runs import reader_joins, run_bounds, server_runs, span
+from kvpool.transport.runs import row_joins, run_bounds, server_runs, span
 
 SPEC = KVSpec(model="tiny", num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16)
 NS = Namespace(SPEC, b"runs")
@@ -160,13 +160,14 @@ def test_runs_cover_exactly_the_items_and_join_only_what_both_sides_allow(
     end to end."""
     rng = np.random.default_rng(len(cuts) + data[0])
     arena = rng.integers(0, 255, size=64, dtype=np.uint8)
-    views, at = [], 0
+    offsets, at = [], 0
     for i, size in enumerate(cuts):
         at += 1 if i in apart else 0
-        views.append(memoryview(arena[at : at + size]))
+        offsets.append(at)
         at += size
+    views = [arena[offset : offset + size] for offset, size in zip(offsets, cuts)]
     asked = [i > 0 and i not in asked_off for i in range(len(views))]
-    joins, messages = server_runs(arena, views, asked)
+    joins, messages = server_runs(arena, offsets, cuts, asked)
     assert len(messages) == len(run_bounds(joins))
     assert b"".join(bytes(m) for m in messages) == b"".join(bytes(v) for v in views)
     for i, join in enumerate(joins):
@@ -175,12 +176,15 @@ def test_runs_cover_exactly_the_items_and_join_only_what_both_sides_allow(
             assert join
     # the reader's side: rows of one array join, rows of separate arrays or strided ones do not
     rows = list(np.zeros((len(cuts), 8), dtype=np.uint8))
-    assert reader_joins(rows) == [i > 0 for i in range(len(rows))]
+    assert row_joins(rows) == [i > 0 for i in range(len(rows))]
     target = span(rows)
     assert target.nbytes == 8 * len(rows) and target.ctypes.data == rows[0].ctypes.data
-    assert reader_joins([np.zeros(8, dtype=np.uint8) for _ in cuts]) == [False] * len(cuts)
+    assert row_joins([np.zeros(8, dtype=np.uint8) for _ in cuts]) == [False] * len(cuts)
     strided = list(np.zeros((len(cuts), 16), dtype=np.uint8)[:, ::2])
-    assert reader_joins(strided) == [False] * len(cuts)
+    assert row_joins(strided) == [False] * len(cuts)
+    if len(rows) > 2:
+        with pytest.raises(ValueError, match="end to end"):
+            span(rows[::2])  # rows with gaps: never one span
 
 
 @UCX
@@ -233,7 +237,7 @@ def test_a_server_that_joins_rows_the_reader_did_not_offer_gets_a_miss_and_write
         def _serve_read_ucx(self, conn, count, namespace, link, asked):  # type: ignore[no-untyped-def]
             leased = self._lease_for_read(conn, count, namespace)
             assert leased is not None
-            lease_id, views, metas = leased
+            lease_id, views, metas, _ = leased
             link.take_tag_base()
             try:
                 joins = wire.pack_joins([i > 0 for i in range(len(views))])
