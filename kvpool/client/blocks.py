@@ -150,10 +150,11 @@ def write_rows(
         offset, index = offsets[first], indices[first]
         target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
         copies.append((target, rows[index : index + count]))
+    # a keyed window is open to this thread for each copy call only (no Python runs in it)
+    writing = arena.writing if isinstance(arena, PutWindow) else nullcontext
     checksums: list[int] = []
     for target, source in copies:
-        # a keyed window is open to this thread for the copy call only (no Python runs in it)
-        with arena.writing() if isinstance(arena, PutWindow) else nullcontext():
+        with writing():
             digests = copy_checksum_rows(target, source, stream=stream)
         checksums.extend(digests)
     return checksums
