@@ -58,6 +58,7 @@ the time left before it.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +106,9 @@ NIXL_ADDRESS = U64  # per served item of a NIXL_READ: the virtual address of its
 MAX_ITEMS = 65_536  # most items one request may carry (also the largest UCX worker address)
 MAX_MESSAGE = 4096
 MAX_NIXL_METADATA = 1 << 20  # an agent's metadata (its backends' connection info and memory keys)
+#: ``send_gathered``: the most bytes and buffers handed to one ``sendmsg`` (well inside IOV_MAX)
+GATHER_BYTES = 4 << 20
+GATHER_BUFFERS = 64
 
 
 class PeerClosed(ConnectionError):
@@ -154,6 +158,40 @@ def send_all(sock: socket.socket, data: bytes | memoryview, deadline: float | No
     """``sendall`` bounded by ``deadline`` (Python's ``sendall`` timeout covers the whole call)."""
     arm(sock, deadline)
     sock.sendall(data)
+
+
+def send_gathered(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> int:
+    """Send ``buffers`` back to back, several per ``sendmsg`` call (up to ``GATHER_BYTES`` /
+    ``GATHER_BUFFERS``); returns the bytes sent.
+
+    Why: loopback TCP here moves 256 KiB items sent one ``send`` each at ~3.3 GB/s and the same
+    items gathered 16 to a call at ~4.8 GB/s (a two-process C check, docs/benchmarks.md): the
+    cost is per call, not per byte. The stream is the same bytes either way, so a reader sees no
+    difference. TLS sockets have no ``sendmsg``: one ``sendall`` per buffer there."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return total
+    first, done = 0, 0  # the first unsent buffer, and how much of it already went
+    while first < len(views):
+        batch = [views[first][done:]]
+        size = len(batch[0])
+        last = first + 1
+        while last < len(views) and len(batch) < GATHER_BUFFERS and size < GATHER_BYTES:
+            batch.append(views[last])
+            size += len(views[last])
+            last += 1
+        sent = sock.sendmsg(batch)
+        while sent:  # advance past what went (a partial send stops inside some buffer)
+            rest = len(views[first]) - done
+            if sent < rest:
+                done += sent
+                break
+            sent -= rest
+            first, done = first + 1, 0
+    return total
 
 
 def pack_header(op: int, count: int, namespace: bytes) -> bytes:
