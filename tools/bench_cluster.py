@@ -106,11 +106,14 @@ def kvpool_batches(
     suffix: str = "",
     one_stream: bool = False,
     per_item: bool = False,
+    python_receive: bool = False,
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
     """Blocks written to the node at ``a_addr``; readers attached to node B (another host name).
     ``suffix`` tells holders of another arena kind apart in the batch names ("/huge");
     ``one_stream``: also a reader whose reads stay on one connection ("1 stream" rows);
-    ``per_item``: also a UCX transport that moves one message per block ("per-item" row)."""
+    ``per_item``: also a UCX transport that moves one message per block ("per-item" row);
+    ``python_receive``: also a TCP transport that receives with ``recv_into`` and hashes each
+    block after it landed ("python-receive" row)."""
     spec = spec_for(block_kib)
     data = np.random.default_rng(block_kib).integers(0, 1 << 16, size=(blocks, *spec.block_shape), dtype=np.uint16)
     salt = a_addr.encode()  # each holder its own blocks: a reader cannot be served by the other holder
@@ -153,6 +156,12 @@ def kvpool_batches(
                 per_item_transport = UcxTransport(runs=False)
                 stack.callback(per_item_transport.close)
                 batches[f"kvpool {label} per-item transport"] = functools.partial(raw_read, per_item_transport)
+            if kind == "tcp" and streams == 0 and python_receive:
+                from kvpool.transport.tcp import TcpTransport
+
+                python_transport = TcpTransport(native_receive=False)
+                stack.callback(python_transport.close)
+                batches[f"kvpool {label} python-receive transport"] = functools.partial(raw_read, python_transport)
 
         def verify() -> None:
             assert np.array_equal(out, data)
@@ -354,7 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     transports = ["tcp"] + (["ucx"] if not ucx_available() and not args.no_ucx else [])
     with_nixl = not nixl_available() and not args.no_nixl
-    cases = [(mib << 10, args.blocks) for mib in args.block_mib]
+    cases = [(mib << 10, args.blocks) for mib in args.block_mib] if args.blocks > 0 else []  # 0: the prompt alone
     if args.prompt_blocks:
         cases.append((args.prompt_block_kib, args.prompt_blocks))
     try:
@@ -412,6 +421,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 suffix,
                                 args.one_stream_rows,
                                 args.ucx_per_item_rows,
+                                args.tcp_python_receive_rows,
                             )
                         )
                         if nixl_holder is not None:
@@ -460,10 +470,11 @@ def print_row(label: str, row: dict[str, float]) -> None:
         for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
             if base in row:
                 print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
-    for one in [k for k in row if " per-item " in k]:  # --ucx-per-item-rows: the runs A/B
-        runs = one.replace(" per-item", "")
-        if runs in row:
-            print(f"  ratio {runs} / per-item {row[runs] / row[one]:6.2f}x")
+    for variant in ("per-item", "python-receive"):  # --ucx-per-item-rows, --tcp-python-receive-rows: A/Bs
+        for one in [k for k in row if f" {variant} " in k]:
+            default = one.replace(f" {variant}", "")
+            if default in row:
+                print(f"  ratio {default} / {variant} {row[default] / row[one]:6.2f}x")
     for one in [k for k in row if " 1 stream " in k]:  # --one-stream-rows: the multi-stream A/B
         many = one.replace(" 1 stream", "")
         if many in row:
@@ -487,7 +498,7 @@ def print_row(label: str, row: dict[str, float]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-mib", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    parser.add_argument("--blocks", type=int, default=32, help="blocks per batch")
+    parser.add_argument("--blocks", type=int, default=32, help="blocks per batch (0: only the whole-prompt case)")
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lookups", type=int, default=300)
@@ -516,6 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time a UCX transport that moves one message per block (READ_UCX) interleaved with the "
         "default one (blocks end to end on both sides moved as one message): the runs A/B",
+    )
+    parser.add_argument(
+        "--tcp-python-receive-rows",
+        action="store_true",
+        help="also time a TCP transport that receives each block with recv_into and hashes it after it "
+        "landed (TcpTransport(native_receive=False)), interleaved with the default one (received and "
+        "hashed piece by piece in C, without the GIL): the receive A/B",
     )
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--mooncake-writer", nargs=4, help=argparse.SUPPRESS)

@@ -18,14 +18,23 @@
  * service threads verifying other commits) run meanwhile. The buffers stay alive for the
  * call: the Py_buffer views hold them.
  *
+ * recv_rows (kvpool/transport/recv_rows.py) is the same one pass on the TCP receive path: the
+ * kernel copies the bytes into the caller's rows and each 1,024-byte block is folded into its
+ * row's digest right after it lands (feed_*), while still in cache. It lives here because it
+ * shares the XXH3 kernels (hence this file's length past 600 lines).
+ *
  * The algorithm follows the XXH3 specification (xxhash.com, doc/xxhash_spec.md): eight
  * 64-bit accumulators, 64-byte stripes, a scramble every 16 stripes (1,024 bytes), the last
  * stripe re-read from the end, then merged and avalanched.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <poll.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -268,6 +277,73 @@ typedef uint64_t (*hash_long_fn)(const uint8_t *, uint8_t *, size_t, int);
 static hash_long_fn hash_long = hash_long_scalar;
 static const char *kernel_name = "scalar";
 
+/* ---- a digest fed while its bytes arrive ------------------------------------------------ */
+
+/* XXH3 over an input whose length is known up front but whose bytes land piece by piece (a
+ * socket): each 1,024-byte block is folded in as soon as it is whole and while it is still in
+ * the cache; the last partial block and the last stripe at the end, as in hash_long. */
+typedef void (*fold_fn)(uint64_t acc[8], const uint8_t *src, size_t nb_blocks);
+
+typedef struct {
+    uint64_t acc[8];
+    fold_fn fold;     /* fold_scalar or the CPU's kernel */
+    size_t len;       /* the whole input (> MIDSIZE_MAX) */
+    size_t nb_blocks; /* (len - 1) / BLOCK_LEN: the blocks folded before the tail */
+    size_t folded;    /* of those, folded so far */
+} feed_t;
+
+static void fold_scalar(uint64_t acc[8], const uint8_t *src, size_t nb_blocks) {
+    for (size_t n = 0; n < nb_blocks; n++) {
+        for (size_t s = 0; s < STRIPES_PER_BLOCK; s++) {
+            accumulate_512_scalar(acc, src + n * BLOCK_LEN + s * STRIPE_LEN, NULL, kSecret + s * 8);
+        }
+        scramble_scalar(acc, kSecret + SECRET_SIZE - STRIPE_LEN);
+    }
+}
+
+#if KV_X86
+__attribute__((target("avx2"))) static void fold_avx2(uint64_t acc8[8], const uint8_t *src, size_t nb_blocks) {
+    __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)acc8), _mm256_loadu_si256((const __m256i *)(acc8 + 4))};
+    blocks_avx2(acc, src, NULL, nb_blocks, 0);
+    _mm256_storeu_si256((__m256i *)acc8, acc[0]);
+    _mm256_storeu_si256((__m256i *)(acc8 + 4), acc[1]);
+}
+#endif
+
+static fold_fn fold = fold_scalar;
+
+static void feed_init(feed_t *f, fold_fn kernel, size_t len) {
+    init_accs(f->acc);
+    f->fold = kernel;
+    f->len = len;
+    f->nb_blocks = (len - 1) / BLOCK_LEN;
+    f->folded = 0;
+}
+
+/* The first ``have`` bytes of the input (at ``base``) have landed. */
+static void feed_more(feed_t *f, const uint8_t *base, size_t have) {
+    size_t whole = have / BLOCK_LEN;
+    if (whole > f->nb_blocks) {
+        whole = f->nb_blocks;
+    }
+    if (whole > f->folded) {
+        f->fold(f->acc, base + f->folded * BLOCK_LEN, whole - f->folded);
+        f->folded = whole;
+    }
+}
+
+/* All of it has landed: the tail (under 1,088 bytes, scalar) and the digest. */
+static uint64_t feed_finish(feed_t *f, const uint8_t *base) {
+    feed_more(f, base, f->len);
+    size_t done = f->nb_blocks * BLOCK_LEN;
+    size_t nb_stripes = ((f->len - 1) - done) / STRIPE_LEN;
+    for (size_t s = 0; s < nb_stripes; s++) {
+        accumulate_512_scalar(f->acc, base + done + s * STRIPE_LEN, NULL, kSecret + s * 8);
+    }
+    accumulate_512_scalar(f->acc, base + f->len - STRIPE_LEN, NULL, kSecret + SECRET_SIZE - STRIPE_LEN - SECRET_LASTACC_START);
+    return merge_accs(f->acc, (uint64_t)f->len);
+}
+
 /* ---- Python bindings ------------------------------------------------------------------ */
 
 /* Hash (and copy) each of the len / block_bytes blocks; fills digests. GIL released. */
@@ -374,9 +450,152 @@ static PyObject *hash_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+/* ---- receive rows from a socket, each hashed as it lands -------------------------------- */
+
+enum { RECV_DONE = 0, RECV_CLOSED = 1, RECV_TIMEOUT = 2, RECV_ERROR = 3 };
+
+static double monotonic_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Fill each row from the non-blocking stream socket ``fd`` in turn and fold its bytes into its
+ * digest as they land. Waits with poll() and SO_RCVLOWAT set to the smaller of ``piece`` and
+ * what the row still lacks, so a wake-up finds a piece to receive rather than a few segments
+ * (the receive-then-hash of a piece stays in cache); SO_RCVLOWAT is put back to 1 before
+ * returning, as the caller's socket expects. Runs without the GIL. Returns a RECV_* status;
+ * ``*filled`` rows are whole, their digests in ``digests``; ``*err`` is errno on RECV_ERROR. */
+static int recv_rows_fd(int fd, Py_buffer *rows, size_t count, double deadline, size_t piece, fold_fn kernel,
+                        uint64_t *digests, size_t *filled, int *err) {
+    int status = RECV_DONE;
+    int lowat = 1;
+    *filled = 0;
+    for (size_t k = 0; k < count && status == RECV_DONE; k++) {
+        uint8_t *base = (uint8_t *)rows[k].buf;
+        size_t len = (size_t)rows[k].len;
+        feed_t feed;
+        feed_init(&feed, kernel, len);
+        size_t got = 0;
+        while (got < len) {
+            ssize_t n = recv(fd, base + got, len - got, MSG_DONTWAIT);
+            if (n > 0) {
+                got += (size_t)n;
+                feed_more(&feed, base, got);
+                continue;
+            }
+            if (n == 0) {
+                status = RECV_CLOSED;
+                break;
+            }
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                *err = errno;
+                status = RECV_ERROR;
+                break;
+            }
+            size_t lack = len - got;
+            int want = (int)(lack < piece ? lack : piece);
+            if (want != lowat && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0) {
+                lowat = want;
+            }
+            double left = deadline - monotonic_s();
+            if (left <= 0) {
+                status = RECV_TIMEOUT;
+                break;
+            }
+            struct pollfd p = {fd, POLLIN, 0};
+            int ready = poll(&p, 1, (int)(left * 1000.0) + 1);
+            if (ready < 0 && errno != EINTR) {
+                *err = errno;
+                status = RECV_ERROR;
+                break;
+            }
+        }
+        if (status == RECV_DONE) {
+            digests[k] = feed_finish(&feed, base);
+            *filled = k + 1;
+        }
+    }
+    if (lowat != 1) {
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
+    }
+    return status;
+}
+
+PyDoc_STRVAR(recv_rows_doc,
+             "recv_rows(fd, rows, timeout_s, piece_bytes, scalar=False) -> (digests, status, errno)\n\n"
+             "Receive each of rows (writable C-contiguous buffers of more than 240 bytes each) whole, in\n"
+             "order, from the non-blocking stream socket fd, hashing each as its bytes land (xxh3-64), the\n"
+             "GIL released. digests: one per row received whole. status: 0 all rows, 1 the peer closed,\n"
+             "2 timeout_s passed, 3 an OS error (errno). piece_bytes: how much to wait for per wake-up.\n"
+             "scalar=True takes the portable kernel (tests compare the two).");
+
+static PyObject *recv_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    int fd;
+    PyObject *seq;
+    double timeout_s;
+    Py_ssize_t piece;
+    int scalar = 0;
+    if (!PyArg_ParseTuple(args, "iOdn|p:recv_rows", &fd, &seq, &timeout_s, &piece, &scalar)) {
+        return NULL;
+    }
+    if (piece < 1 || piece > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "piece_bytes must be in [1, 2**31), got %zd", piece);
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(seq, "rows must be a sequence of buffers");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    Py_buffer *rows = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_buffer));
+    uint64_t *digests = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(uint64_t));
+    PyObject *result = NULL;
+    Py_ssize_t held = 0;
+    if (rows == NULL || digests == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, held), &rows[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        if (rows[held].len <= MIDSIZE_MAX) {
+            PyErr_Format(PyExc_ValueError, "row %zd has %zd bytes; recv_rows needs more than %d", held, rows[held].len,
+                         MIDSIZE_MAX);
+            held++;
+            goto done;
+        }
+    }
+    size_t filled = 0;
+    int err = 0, status;
+    double deadline = monotonic_s() + timeout_s;
+    Py_BEGIN_ALLOW_THREADS
+    status = recv_rows_fd(fd, rows, (size_t)count, deadline, (size_t)piece, scalar ? fold_scalar : fold, digests,
+                          &filled, &err);
+    Py_END_ALLOW_THREADS
+    PyObject *list = digests_result(digests, filled);
+    if (list != NULL) {
+        result = Py_BuildValue("(Nii)", list, status, err);
+    }
+done:
+    for (Py_ssize_t k = 0; k < held; k++) {
+        PyBuffer_Release(&rows[k]);
+    }
+    PyMem_Free(rows);
+    PyMem_Free(digests);
+    Py_DECREF(fast);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"hash_blocks", hash_blocks, METH_VARARGS, hash_blocks_doc},
+    {"recv_rows", recv_rows, METH_VARARGS, recv_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -395,6 +614,7 @@ PyMODINIT_FUNC PyInit__xxh3copy(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) {
         hash_long = hash_long_avx2;
+        fold = fold_avx2;
         kernel_name = "avx2";
     }
 #endif

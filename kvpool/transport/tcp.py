@@ -2,8 +2,9 @@
 when ucxx is not installed, and the transport between hosts without UCX.
 
 A small pool of persistent connections per peer; bytes are received straight into the
-caller's buffer (``recv_into``) and each item is checksummed right after it lands, while the
-kernel keeps receiving the next (pipelined). A pooled connection found dead before the reply
+caller's buffer and each item is checksummed as it lands, while the kernel keeps receiving
+the next (pipelined): natively, piece by piece, without the GIL (``recv_rows``), or by
+``recv_into`` and a checksum per item (TLS, short items). A pooled connection found dead before the reply
 (the peer restarted) is retried once on a fresh one; any other failure is a miss logged with
 the peer's address.
 
@@ -39,7 +40,7 @@ from kvpool.core.errors import (
 )
 from kvpool.core.retry import RetryPolicy, retry_call
 from kvpool.core.tickets import NONCE_BYTES, ticket_proof
-from kvpool.transport import wire
+from kvpool.transport import recv_rows, wire
 from kvpool.transport.base import ReadItem, ReadResult, TicketSource, WriteResult
 from kvpool.transport.tls import client_tls_context
 
@@ -116,18 +117,24 @@ class TcpTransport:
     one_sided = False
 
     def __init__(
-        self, timeout_s: float = DEFAULT_TIMEOUT_S, streams: int = 0, stream_min_bytes: int = STREAM_MIN_BYTES
+        self,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        streams: int = 0,
+        stream_min_bytes: int = STREAM_MIN_BYTES,
+        native_receive: bool = True,
     ) -> None:
         """A node with credentials admits a connection with a ticket its control plane issued
         (``use_tickets``): the token itself never travels on the data plane. ``streams``:
         the most connections one read is spread over (module docstring; 0 = the data plane's
         default, ``default_streams``; 1 = every read on one connection), each part at least
-        ``stream_min_bytes``."""
+        ``stream_min_bytes``. ``native_receive=False`` keeps every receive on the portable
+        ``recv_into`` path (the benchmark's A/B; tests)."""
         if not 0 <= streams <= MAX_STREAMS:
             raise InvalidArgument(f"streams must be 0 (the default) to {MAX_STREAMS}, not {streams}")
         self.timeout_s = timeout_s
         self.streams = streams or default_streams(self.one_sided)
         self.stream_min_bytes = stream_min_bytes
+        self.native_receive = native_receive
         self._stream_pool: ThreadPoolExecutor | None = None  # made at the first read that needs it
         self._tickets: TicketSource | None = None
         self._tls: ssl.SSLContext | None = None
@@ -376,6 +383,8 @@ class TcpTransport:
         deadline: float,
     ) -> int:
         """Receive each item into its destination and verify it; returns the first bad index or -1."""
+        if self.native_receive and recv_rows.usable(sock, dst[: len(metas)]):
+            return self._receive_native(sock, metas, dst[: len(metas)], progress, deadline)
         bad = -1
         for i, (length, checksum) in enumerate(metas):
             target = dst[i]
@@ -386,6 +395,30 @@ class TcpTransport:
                 else:
                     progress[0] = i + 1
             self.bytes_received += length
+        return bad
+
+    def _receive_native(
+        self,
+        sock: socket.socket,
+        metas: list[tuple[int, int]],
+        dst: Sequence[np.ndarray],
+        progress: list[int],
+        deadline: float,
+    ) -> int:
+        """``_receive`` with each row hashed while it lands (``recv_rows``); the rows received
+        whole are verified even when the stream stopped early."""
+        digests, failure = recv_rows.receive(sock, dst, deadline)
+        bad = -1
+        for i, digest in enumerate(digests):
+            length, checksum = metas[i]
+            if bad < 0:
+                if digest != checksum:
+                    bad = i
+                else:
+                    progress[0] = i + 1
+            self.bytes_received += length
+        if failure is not None:
+            raise failure
         return bad
 
     def _discard(self, sock: socket.socket) -> None:

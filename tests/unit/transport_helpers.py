@@ -58,8 +58,9 @@ def server(node: PoolNode) -> Iterator[TcpDataServer]:
     srv.stop()
 
 
-@pytest.fixture
-def transport() -> Iterator[TcpTransport]:
-    t = TcpTransport(timeout_s=2.0)
+@pytest.fixture(params=[True, False], ids=["native-receive", "python-receive"])
+def transport(request: pytest.FixtureRequest) -> Iterator[TcpTransport]:
+    """Both receive paths: rows hashed as they land (C) and ``recv_into`` + a checksum per row."""
+    t = TcpTransport(timeout_s=2.0, native_receive=request.param)
     yield t
     t.close()
