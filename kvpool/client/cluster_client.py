@@ -373,9 +373,15 @@ class ClusterClient:
             ),
         )
         nodes = [Holder.of(n) for n in reply.nodes]
+        # blocks held by the same nodes share one list (a prompt's blocks mostly do): built
+        # once per distinct mask, and ``_plan`` ranks it once; callers must not mutate them
+        by_mask: dict[int, list[Holder]] = {}
         out: list[list[Holder]] = []
         for mask in reply.holder_masks[: reply.hits]:
-            out.append([node for bit, node in enumerate(nodes) if mask >> bit & 1])
+            holders = by_mask.get(mask)
+            if holders is None:
+                holders = by_mask[mask] = [node for bit, node in enumerate(nodes) if mask >> bit & 1]
+            out.append(holders)
         return out, int(reply.lease_id)
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
@@ -406,16 +412,24 @@ class ClusterClient:
         """Contiguous runs (holder, start, end): best rank first, staying on one holder.
         A block with no holder ends the plan: it and every later block are misses."""
         runs: list[tuple[Holder, int, int]] = []
-        for i, options in enumerate(holders):
+        best_of: dict[int, list[Holder]] = {}  # per distinct holder list (``locate`` shares them)
+        holder: Holder | None = None  # the open run's, from ``start`` to block ``end``
+        start = end = 0
+        for end, options in enumerate(holders):
             if not options:
                 break
-            best = min(self._rank(h) for h in options)
-            candidates = [h for h in options if self._rank(h) == best]
-            if runs and runs[-1][0] in candidates and runs[-1][2] == i:
-                holder, start, _ = runs[-1]
-                runs[-1] = (holder, start, i + 1)
-            else:
-                runs.append((candidates[0], i, i + 1))
+            candidates = best_of.get(id(options))
+            if candidates is None:
+                best = min(self._rank(h) for h in options)
+                candidates = best_of[id(options)] = [h for h in options if self._rank(h) == best]
+            if holder is None or holder not in candidates:
+                if holder is not None:
+                    runs.append((holder, start, end))
+                holder, start = candidates[0], end
+        else:
+            end = len(holders)
+        if holder is not None:
+            runs.append((holder, start, end))
         return runs
 
     def _same_host_client(self, holder: Holder) -> PoolClient:
