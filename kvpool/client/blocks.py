@@ -146,15 +146,18 @@ def write_rows(
     block_bytes = rows.shape[1]
     stream = len(offsets) * block_bytes >= STREAM_MIN_BYTES
     copies = []  # (slots, rows) of each run, all checked before any byte is written
+    spans = []  # the arena bytes [start, stop) of each
     for first, count in adjacent_runs(offsets, indices, block_bytes, split_bytes=_split_bytes(arena)):
         offset, index = offsets[first], indices[first]
         target = _slot_bytes(arena, offset, offset + count * block_bytes).reshape(count, block_bytes)
         copies.append((target, rows[index : index + count]))
-    # a keyed window is open to this thread for each copy call only (no Python runs in it)
-    writing = arena.writing if isinstance(arena, PutWindow) else nullcontext
+        spans.append((offset, offset + count * block_bytes))
+    # a keyed window is open to this thread for each copy call only (no Python runs in it); a
+    # pipelined one waits there for the copy's pages and shuts the pieces it filled
+    window = arena if isinstance(arena, PutWindow) else None
     checksums: list[int] = []
-    for target, source in copies:
-        with writing():
+    for (target, source), (start, stop) in zip(copies, spans, strict=True):
+        with window.writing(start, stop) if window is not None else nullcontext():
             digests = copy_checksum_rows(target, source, stream=stream)
         checksums.extend(digests)
     return checksums

@@ -33,6 +33,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -41,6 +42,13 @@ from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.core.pkeys import ProtectionKey, allocate_key, linux_libc
 
 log = logging.getLogger(__name__)
+
+#: a put copied by the client itself and larger than this has its pages switched in pieces
+#: of this many bytes while the copy runs (``kvpool.core.put_pipeline``; a multiple of every
+#: page size): small enough that the first piece's open and the last one's shut, which
+#: nothing hides, are short; large enough that each switch is one call among few (16 and
+#: 32 MiB measured alike, 64 MiB slower)
+PUT_PIECE_BYTES = 16 << 20
 
 
 class ArenaMapping:
@@ -62,6 +70,9 @@ class ArenaMapping:
         #: False: puts that copy their own bytes switch page protection per put like the
         #: others (the A/B of tools/bench_pool.py --put-ab); True uses a key where there is one
         self.keyed_puts = True
+        #: False: such puts without a key switch all their pages at once around the copy
+        #: instead of in pieces while it runs (``kvpool.core.put_pipeline``; the A/B again)
+        self.pipelined_puts = True
         self._writer_lock = threading.Lock()
         self.view = np.frombuffer(mapping, dtype=np.uint8)[:capacity_bytes]
         #: the kernel's page size of the arena's memory: 4 KiB (mmap.PAGESIZE), or the huge
@@ -148,7 +159,13 @@ class ArenaMapping:
             raise Unavailable("this arena mapping has no write descriptor", hint="ask the node for one with a put id")
         page = self.page_bytes
         if length % page == 0 and not (np.asarray(offsets, dtype=np.int64) % page).any():
-            writer = (self._keyed_writer() if own_copy and self.keyed_puts else None) or self._kept_writer()
+            keyed = self._keyed_writer() if own_copy and self.keyed_puts else None
+            writer = keyed or self._kept_writer()
+            pipelined = own_copy and self.pipelined_puts and keyed is None
+            if writer is not None and pipelined and len(offsets) * length > PUT_PIECE_BYTES:
+                from kvpool.core.put_pipeline import PipelinedWindow  # it extends ProtectedWindow
+
+                return PipelinedWindow(writer, self.capacity_bytes, offsets, length, page, PUT_PIECE_BYTES)
             if writer is not None:
                 return ProtectedWindow(writer, self.capacity_bytes, offsets, length, page)
         return PutWindow(self._write_fd, self.capacity_bytes, offsets, length, page)
@@ -275,9 +292,10 @@ class PutWindow:
         assert mapping is not None
         close_mapping(mapping)
 
-    def writing(self) -> AbstractContextManager[None]:
-        """Wrap the writes into this window (all of them on the calling thread): needed for a
-        window on a keyed mapping (``put_window(own_copy=True)``), a no-op for the others."""
+    def writing(self, start: int = -1, stop: int = -1) -> AbstractContextManager[None]:
+        """Wrap each write into this window (all of them on the calling thread), of arena
+        bytes ``[start, stop)``: needed for a window on a keyed mapping and for a pipelined
+        one (``put_window(own_copy=True)``), a no-op for the others."""
         return nullcontext()
 
     @property
@@ -345,7 +363,7 @@ class ProtectedWindow(PutWindow):
     def _close_run(self, start: int, stop: int, mapping: mmap.mmap | None) -> None:
         self._writer.shut(start, stop)
 
-    def writing(self) -> AbstractContextManager[None]:
+    def writing(self, start: int = -1, stop: int = -1) -> AbstractContextManager[None]:
         return self._writer.writing()
 
 
@@ -398,6 +416,7 @@ class WriteMapping:
         self._open_runs: dict[tuple[int, int], int] = {}  # (start, stop) -> open windows with it
         self._lock = threading.Lock()
         self._closed = False
+        self._helper: ThreadPoolExecutor | None = None  # made by the first pipelined put
 
     def _mprotect(self, start: int, stop: int, prot: int) -> None:
         if _libc.mprotect(self._address + start, stop - start, prot) != 0:
@@ -425,6 +444,16 @@ class WriteMapping:
                 _libc.madvise(self._address + start, stop - start, MADV_POPULATE_WRITE)
         return self.view[start:stop]
 
+    def helper(self) -> ThreadPoolExecutor:
+        """The one thread that switches pieces of pipelined puts while their copies run
+        (``kvpool.core.put_pipeline``), in the order asked; joined by ``close``."""
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the arena mapping was closed during this put (the client reconnected)")
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvpool-put-window")
+            return self._helper
+
     def writing(self) -> AbstractContextManager[None]:
         """Around the writes into opened pages: opens the key to the calling thread (keyed), or nothing."""
         return nullcontext() if self._key is None else self._key.open()
@@ -445,11 +474,15 @@ class WriteMapping:
                 self._unmap()
 
     def close(self) -> None:
-        """No new opens; unmap now, or when the last open window shuts."""
+        """No new opens; unmap now, or when the last open window shuts. The helper thread
+        runs what was queued (opens now refused, shuts done) and is joined."""
         with self._lock:
             self._closed = True
+            helper, self._helper = self._helper, None
             if not self._open_runs:
                 self._unmap()
+        if helper is not None:  # outside the lock: its queued switches take it
+            helper.shutdown(wait=True)
 
     def _unmap(self) -> None:
         if self._fd < 0:

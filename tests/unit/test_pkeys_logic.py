@@ -112,7 +112,7 @@ def test_a_put_opens_the_key_around_each_copy_call_only(monkeypatch: pytest.Monk
         def __init__(self) -> None:  # no mapping: the bookkeeping of a window over `arena`
             self.segment_bytes = 0
 
-        def writing(self) -> Any:
+        def writing(self, start: int = -1, stop: int = -1) -> Any:
             window = self
 
             class Open:
