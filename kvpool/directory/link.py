@@ -132,6 +132,10 @@ class DirectoryLink:
                     # the channel this call was on (``_use``): a failover step, retried like one
                     raise Unavailable(f"the call to {leader} was cut by a switch of leader") from None
                 raise from_rpc_error(exc, leader) from None
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+                if self._stub is not stub:  # closed by another thread's switch before the call began
+                    raise Unavailable(f"the call to {leader} began on a channel a switch of leader closed") from None
+                raise
 
         def rediscover(err: BaseException) -> None:
             log.info("directory at %s: %s; finding the leader again", self._leader, err)

@@ -2,7 +2,9 @@
 (a failover) it closes the channel the others may still have a call on, which gRPC then
 cancels. That call is a failover step, retried on the new channel, not an INTERNAL error
 (seen in a fresh-clone CI: a management call failed with "CANCELLED Channel closed!" while
-another thread rediscovered). Against a real directory server, in-process."""
+another thread rediscovered; and a call that only began after the close, which gRPC refuses
+with a ValueError, "Cannot invoke RPC on closed channel!"). Against a real directory server,
+in-process."""
 
 from __future__ import annotations
 
@@ -71,6 +73,44 @@ def test_a_cancelled_call_on_the_current_channel_is_still_an_error(directory: st
 
         link._stub = CancelledStub()  # type: ignore[assignment]
         with pytest.raises(InternalError, match="CANCELLED"):
+            link.call("Nodes", directory_pb2.NodesRequest())
+    finally:
+        link.close()
+
+
+def test_a_call_begun_on_a_channel_another_thread_closed_is_retried(directory: str) -> None:
+    link = DirectoryLink([directory], timeout_s=2.0)
+    try:
+        link.discover()
+        calls: list[str] = []
+
+        class ClosedStub:
+            """The stub of a channel another thread closed just before this call began."""
+
+            def Nodes(self, request: Any, **kwargs: Any) -> Any:
+                calls.append("closed")
+                link._use("127.0.0.1:1")
+                link._stub = None
+                raise ValueError("Cannot invoke RPC on closed channel!")
+
+        link._stub = ClosedStub()  # type: ignore[assignment]
+        reply = link.call("Nodes", directory_pb2.NodesRequest())
+        assert calls == ["closed"] and isinstance(reply, directory_pb2.NodesReply)
+    finally:
+        link.close()
+
+
+def test_a_value_error_on_the_current_channel_is_not_hidden(directory: str) -> None:
+    link = DirectoryLink([directory], timeout_s=2.0)
+    try:
+        link.discover()
+
+        class BrokenStub:
+            def Nodes(self, request: Any, **kwargs: Any) -> Any:
+                raise ValueError("something else")
+
+        link._stub = BrokenStub()  # type: ignore[assignment]
+        with pytest.raises(ValueError, match="something else"):
             link.call("Nodes", directory_pb2.NodesRequest())
     finally:
         link.close()
