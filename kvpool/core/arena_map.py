@@ -161,7 +161,9 @@ class ArenaMapping:
         if length % page == 0 and not (np.asarray(offsets, dtype=np.int64) % page).any():
             keyed = self._keyed_writer() if own_copy and self.keyed_puts else None
             writer = keyed or self._kept_writer()
-            pipelined = own_copy and self.pipelined_puts and keyed is None
+            # on huge pages a whole window switches 512x fewer entries: cheaper than the pieces'
+            # hand-offs (put 4 MiB 1.48x the copy whole, 1.32x in pieces, interleaved)
+            pipelined = own_copy and self.pipelined_puts and keyed is None and page <= mmap.PAGESIZE
             if writer is not None and pipelined and len(offsets) * length > PUT_PIECE_BYTES:
                 from kvpool.core.put_pipeline import PipelinedWindow  # it extends ProtectedWindow
 

@@ -147,3 +147,19 @@ def test_the_helper_thread_is_joined_when_the_mapping_closes(client: tuple[Arena
     assert writable_bytes(fd) == 0
     mapping.close()
     assert not any(t.name.startswith("kvpool-put-window") for t in threading.enumerate())
+
+
+def test_a_huge_page_arena_keeps_the_whole_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """512x fewer page entries to switch: the pieces' hand-offs would cost more than they hide."""
+    monkeypatch.setattr(arena_map, "PUT_PIECE_BYTES", PIECE)
+    fd = memfd(CAPACITY)
+    read_only = mmap.mmap(fd, CAPACITY, prot=mmap.PROT_READ)
+    mapping = ArenaMapping(f"/proc/self/fd/{fd}", CAPACITY, os.dup(fd), read_only, fd)
+    mapping.keyed_puts = False
+    mapping.page_bytes = 16 * PAGE  # as a huge-page arena's (64 KiB here: any size above the base page)
+    try:
+        window = mapping.put_window([0, 16 * PAGE, 32 * PAGE], 16 * PAGE, own_copy=True)
+        assert type(window) is ProtectedWindow
+        window.close()
+    finally:
+        mapping.close()
