@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -545,7 +546,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_netns and os.environ.get("KVPOOL_BENCH_NETNS") != "1":
         inner = " ".join([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
         env = {**os.environ, "KVPOOL_BENCH_NETNS": "1"}
-        return subprocess.call(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"], env=env)
+        proc = subprocess.Popen(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {inner}"], env=env)
+        signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # the inner run stops its cluster
+        return proc.wait()
+    # SIGTERM unwinds like Ctrl-C, so the cluster's processes are stopped, not left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run(args)
     if args.json:
         with open(args.json, "w") as fh:

@@ -28,6 +28,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -153,7 +154,7 @@ def bench_size(
     total = n * block_bytes
     src = base.private_src[:total].view(np.float16).reshape(n, *spec.block_shape)
     dst = base.private_dst[:total].view(np.float16).reshape(n, *spec.block_shape)
-    names = ("shm_read", "get_into", "huge_copy", "put", "shm_write")
+    names: tuple[str, ...] = ("shm_read", "get_into", "huge_copy", "put", "shm_write")
     names += ("put_pipelined", "put_mprotect") if put_ab else ()
     times: dict[str, list[float]] = {k: [] for k in names}
     with (
@@ -411,6 +412,8 @@ def main() -> int:
         "memfd arena (--arena-handoff fd), get_into and put only",
     )
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C: the daemon is stopped and the huge-page reservation restored
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     total = args.total_mib * MiB
     sizes = [int(s) * KiB for s in args.sizes.split(",") if s]
     capacity = 2 * total + 128 * MiB
