@@ -452,7 +452,16 @@ static PyObject *hash_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
 
 /* ---- receive rows from a socket, each hashed as it lands -------------------------------- */
 
-enum { RECV_DONE = 0, RECV_CLOSED = 1, RECV_TIMEOUT = 2, RECV_ERROR = 3 };
+enum { RECV_DONE = 0, RECV_CLOSED = 1, RECV_TIMEOUT = 2, RECV_ERROR = 3, RECV_SIGNAL = 4 };
+
+/* A signal interrupted a wait: run Python's handlers now, as a recv_into would (Ctrl-C stops a
+ * read at once, not at its deadline). True when one raised: its exception is set. */
+static int signal_raised(void) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int raised = PyErr_CheckSignals() < 0;
+    PyGILState_Release(gil);
+    return raised;
+}
 
 static double monotonic_s(void) {
     struct timespec t;
@@ -464,8 +473,10 @@ static double monotonic_s(void) {
  * digest as they land. Waits with poll() and SO_RCVLOWAT set to the smaller of ``piece`` and
  * what the row still lacks, so a wake-up finds a piece to receive rather than a few segments
  * (the receive-then-hash of a piece stays in cache); SO_RCVLOWAT is put back to 1 before
- * returning, as the caller's socket expects. Runs without the GIL. Returns a RECV_* status;
- * ``*filled`` rows are whole, their digests in ``digests``; ``*err`` is errno on RECV_ERROR. */
+ * returning, as the caller's socket expects. Runs without the GIL (taking it only to run
+ * Python's signal handlers after an interrupted wait). Returns a RECV_* status; ``*filled``
+ * rows are whole, their digests in ``digests``; ``*err`` is errno on RECV_ERROR; on RECV_SIGNAL
+ * the handler's exception is set. */
 static int recv_rows_fd(int fd, Py_buffer *rows, size_t count, double deadline, size_t piece, fold_fn kernel,
                         uint64_t *digests, size_t *filled, int *err) {
     int status = RECV_DONE;
@@ -489,6 +500,10 @@ static int recv_rows_fd(int fd, Py_buffer *rows, size_t count, double deadline, 
                 break;
             }
             if (errno == EINTR) {
+                if (signal_raised()) {
+                    status = RECV_SIGNAL;
+                    break;
+                }
                 continue;
             }
             if (errno != EAGAIN && errno != EWOULDBLOCK) {
@@ -502,12 +517,16 @@ static int recv_rows_fd(int fd, Py_buffer *rows, size_t count, double deadline, 
                 lowat = want;
             }
             double left = deadline - monotonic_s();
-            if (left <= 0) {
+            if (!(left > 0)) {
                 status = RECV_TIMEOUT;
                 break;
             }
             struct pollfd p = {fd, POLLIN, 0};
-            int ready = poll(&p, 1, (int)(left * 1000.0) + 1);
+            int ready = poll(&p, 1, left > 1.0 ? 1000 : (int)(left * 1000.0) + 1); /* 1 s slices at most */
+            if (ready < 0 && errno == EINTR && signal_raised()) {
+                status = RECV_SIGNAL;
+                break;
+            }
             if (ready < 0 && errno != EINTR) {
                 *err = errno;
                 status = RECV_ERROR;
@@ -541,6 +560,10 @@ static PyObject *recv_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t piece;
     int scalar = 0;
     if (!PyArg_ParseTuple(args, "iOdn|p:recv_rows", &fd, &seq, &timeout_s, &piece, &scalar)) {
+        return NULL;
+    }
+    if (!(timeout_s >= 0)) {
+        PyErr_Format(PyExc_ValueError, "timeout_s must be >= 0, got %R", PyTuple_GET_ITEM(args, 2));
         return NULL;
     }
     if (piece < 1 || piece > INT32_MAX) {
@@ -578,6 +601,9 @@ static PyObject *recv_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     status = recv_rows_fd(fd, rows, (size_t)count, deadline, (size_t)piece, scalar ? fold_scalar : fold, digests,
                           &filled, &err);
     Py_END_ALLOW_THREADS
+    if (status == RECV_SIGNAL) { /* a signal handler raised (KeyboardInterrupt): its exception is set */
+        goto done;
+    }
     PyObject *list = digests_result(digests, filled);
     if (list != NULL) {
         result = Py_BuildValue("(Nii)", list, status, err);

@@ -164,7 +164,9 @@ class ArenaMapping:
             # on huge pages a whole window switches 512x fewer entries: cheaper than the pieces'
             # hand-offs (put 4 MiB 1.48x the copy whole, 1.32x in pieces, interleaved)
             pipelined = own_copy and self.pipelined_puts and keyed is None and page <= mmap.PAGESIZE
-            if writer is not None and pipelined and len(offsets) * length > PUT_PIECE_BYTES:
+            # pieces are shut by the bytes written into them: each slot must be written once
+            pipelined = pipelined and len(offsets) * length > PUT_PIECE_BYTES and len(set(offsets)) == len(offsets)
+            if writer is not None and pipelined:
                 from kvpool.core.put_pipeline import PipelinedWindow  # it extends ProtectedWindow
 
                 return PipelinedWindow(writer, self.capacity_bytes, offsets, length, page, PUT_PIECE_BYTES)

@@ -19,6 +19,7 @@ plain window. A put of one piece never uses the helper: it is a ``ProtectedWindo
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -29,6 +30,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.arena_map import ProtectedWindow, WriteMapping
+from kvpool.core.errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,16 +67,28 @@ class PipelinedWindow(ProtectedWindow):
         super().__init__(writer, capacity_bytes, offsets, length, page_bytes)
 
     def _open_run(self, start: int, stop: int) -> tuple[mmap.mmap | None, np.ndarray]:
-        """The run's first piece opened now (the copy starts there), the rest queued in order."""
-        for piece_start in range(start, stop, self._piece_bytes):
-            piece_stop = min(piece_start + self._piece_bytes, stop)
-            if not self._pieces:
-                self._writer.open(piece_start, piece_stop)
-                opened = None
-            else:
-                opened = self._writer.helper().submit(self._writer.open, piece_start, piece_stop)
-            self._pieces.append(_Piece(piece_start, piece_stop, opened))
-            self._piece_starts.append(piece_start)
+        """The run's first piece opened now (the copy starts there), the rest queued in order.
+        A failure part-way (the mapping closed meanwhile) shuts what this run opened before
+        it propagates: the constructor's ``close`` covers only runs that were opened whole."""
+        try:
+            for piece_start in range(start, stop, self._piece_bytes):
+                piece_stop = min(piece_start + self._piece_bytes, stop)
+                if not self._pieces:
+                    self._writer.open(piece_start, piece_stop)
+                    opened = None
+                else:
+                    try:
+                        opened = self._writer.helper().submit(self._writer.open, piece_start, piece_stop)
+                    except RuntimeError:  # the helper was shut down: the mapping closed
+                        raise Unavailable("the arena mapping was closed during this put") from None
+                self._pieces.append(_Piece(piece_start, piece_stop, opened))
+                self._piece_starts.append(piece_start)
+        except BaseException:
+            try:
+                self._close_run(start, stop, None)
+            except BaseException as exc:  # the first error is the one to report
+                log.warning("shutting a put window that failed to open: %s", exc)
+            raise
         return None, self._writer.view[start:stop]
 
     def _under(self, start: int, stop: int) -> list[_Piece]:
@@ -102,7 +118,10 @@ class PipelinedWindow(ProtectedWindow):
         for piece in pieces:
             piece.written += min(stop, piece.stop) - max(start, piece.start)
             if piece.written >= piece.stop - piece.start and piece.shut is None:
-                piece.shut = self._writer.helper().submit(self._writer.shut, piece.start, piece.stop)
+                try:
+                    piece.shut = self._writer.helper().submit(self._writer.shut, piece.start, piece.stop)
+                except RuntimeError:  # the helper was shut down (the mapping closed): close shuts it
+                    raise Unavailable("the arena mapping was closed during this put") from None
 
     def _close_run(self, start: int, stop: int, mapping: mmap.mmap | None) -> None:
         """Every piece of the run shut before this returns: queued opens are cancelled, the

@@ -5,6 +5,7 @@ socket is left as the caller's Python code expects it (``SO_RCVLOWAT`` back to 1
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -136,3 +137,36 @@ def test_short_and_read_only_rows_are_refused(pair: tuple[socket.socket, socket.
     read_only.flags.writeable = False
     with pytest.raises((BufferError, ValueError), match="read-only"):
         recv_rows._native.recv_rows(receiver.fileno(), [read_only], 1.0, 4096)
+
+
+def test_a_signal_handler_that_raises_stops_the_receive_at_once(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Ctrl-C during a read: the handler runs at the interrupted wait, as with recv_into,
+    not when the read's deadline passes."""
+    _, receiver = pair
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        started = time.monotonic()
+        with pytest.raises(Interrupted):
+            recv_rows.receive(receiver, [np.zeros(1 << 20, np.uint8)], time.monotonic() + 10)
+        assert time.monotonic() - started < 5
+        assert _lowat(receiver) == 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), -1.0])
+def test_a_timeout_that_is_not_a_duration_is_refused(
+    pair: tuple[socket.socket, socket.socket], timeout_s: float
+) -> None:
+    _, receiver = pair
+    with pytest.raises(ValueError, match="timeout_s"):
+        recv_rows._native.recv_rows(receiver.fileno(), [np.zeros(4096, np.uint8)], timeout_s, 4096)

@@ -10,6 +10,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,3 +164,34 @@ def test_a_huge_page_arena_keeps_the_whole_window(monkeypatch: pytest.MonkeyPatc
         window.close()
     finally:
         mapping.close()
+
+
+def test_slots_given_twice_keep_the_plain_window(client: tuple[ArenaMapping, int]) -> None:
+    """A piece is shut once its bytes were written: a slot written twice would shut it early."""
+    mapping, _ = client
+    offsets = [i * PAGE for i in range(16)] + [0]
+    window = mapping.put_window(offsets, PAGE, own_copy=True)
+    assert type(window) is ProtectedWindow
+    window.close()
+
+
+def test_a_mapping_closed_while_the_window_opens_leaves_nothing_writable(
+    client: tuple[ArenaMapping, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first piece is opened, then the mapping closes before the rest are queued: the
+    window fails typed and shuts the piece it opened (the constructor's close covers only
+    runs opened whole)."""
+    mapping, fd = client
+    writer = mapping._kept_writer()
+    assert writer is not None
+    real_helper = writer.helper
+
+    def closing_helper() -> Any:
+        writer.close()
+        return real_helper()
+
+    monkeypatch.setattr(writer, "helper", closing_helper)
+    with pytest.raises(Unavailable):
+        mapping.put_window([i * PAGE for i in range(32)], PAGE, own_copy=True)
+    assert writable_bytes(fd) == 0
+    assert writer._open_runs == {}
