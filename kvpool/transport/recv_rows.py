@@ -9,6 +9,9 @@ is out of the core's cache before it is hashed, and each wake-up finds only a fe
 right after it lands. Two-process C check on loopback, 256 KiB pieces: ~5 GB/s received and
 hashed, against ~3.6 GB/s for the Python loop (docs/benchmarks.md).
 
+A signal that interrupts a wait runs Python's handlers there (Ctrl-C stops a read at once, as
+with ``recv_into``; the caller then drops the connection, whose stream is out of step).
+
 The digest is exactly ``checksum64`` of the row (tests/property/test_recv_rows.py). Rows of at
 most 240 bytes, TLS sockets (the bytes are decrypted in Python's ``ssl``) and installs without
 the native module take the portable path in ``tcp.py``.
