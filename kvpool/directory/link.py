@@ -34,10 +34,6 @@ FAILOVER_REDIRECT = RetryPolicy(first_delay_ms=0, max_delay_ms=0, max_attempts=2
 BUSY_RETRY = RetryPolicy(first_delay_ms=10, max_delay_ms=40, max_attempts=4)
 
 
-class LinkClosed(Unavailable):
-    """The link was closed (by another thread of its client) while a call was under way."""
-
-
 class DirectoryLink:
     def __init__(
         self,
@@ -67,7 +63,6 @@ class DirectoryLink:
         self._leader = ""
         self._channel: grpc.Channel | None = None
         self._stub: directory_pb2_grpc.DirectoryStub | None = None
-        self._closed = False  # close(): calls under way stop instead of opening a new channel
 
     @property
     def leader(self) -> str:
@@ -125,8 +120,6 @@ class DirectoryLink:
         (``FAILOVER_REDIRECT``)."""
 
         def once() -> Any:
-            if self._closed:  # closed by another thread while this call was under way: no new channel
-                raise LinkClosed("this client's directory link was closed")
             if self._stub is None:
                 self.discover()
             stub, leader = self._stub, self._leader
@@ -150,12 +143,7 @@ class DirectoryLink:
                 self._stub = None
 
         def redirected() -> Any:
-            return retry_call(
-                once,
-                FAILOVER_REDIRECT,
-                lambda e: isinstance(e, NotLeader | Unavailable) and not isinstance(e, LinkClosed),
-                rediscover,
-            )
+            return retry_call(once, FAILOVER_REDIRECT, lambda e: isinstance(e, NotLeader | Unavailable), rediscover)
 
         if self._stub is None:
             self.discover()  # not finding a leader at all is not retried here
@@ -163,7 +151,6 @@ class DirectoryLink:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
             if self._channel is not None:
                 self._channel.close()
             self._channel = None

@@ -114,22 +114,3 @@ def test_a_value_error_on_the_current_channel_is_not_hidden(directory: str) -> N
             link.call("Nodes", directory_pb2.NodesRequest())
     finally:
         link.close()
-
-
-def test_a_call_cut_by_close_does_not_open_a_new_channel(directory: str) -> None:
-    """Another thread closed the link (the client is closing) while this call ran: the call
-    fails (Unavailable) instead of finding the leader again on the closed link."""
-    from kvpool.core.errors import Unavailable
-
-    link = DirectoryLink([directory], timeout_s=2.0)
-    link.discover()
-
-    class ClosingStub:
-        def Nodes(self, request: Any, **kwargs: Any) -> Any:
-            link.close()
-            raise ValueError("Cannot invoke RPC on closed channel!")
-
-    link._stub = ClosingStub()  # type: ignore[assignment]
-    with pytest.raises(Unavailable, match="closed"):
-        link.call("Nodes", directory_pb2.NodesRequest())
-    assert link._channel is None and link._stub is None
