@@ -14,7 +14,8 @@ with ``recv_into``; the caller then drops the connection, whose stream is out of
 
 The digest is exactly ``checksum64`` of the row (tests/property/test_recv_rows.py). Rows of at
 most 240 bytes, TLS sockets (the bytes are decrypted in Python's ``ssl``) and installs without
-the native module take the portable path in ``tcp.py``.
+the native module take ``receive_portable``: ``recv_into`` and a checksum per row, with the
+same result.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.core.checksum import checksum64
 from kvpool.transport import wire
 
 try:  # built with kvpool (pyproject.toml, ext-modules); optional
@@ -35,8 +37,6 @@ except ImportError:  # pragma: no cover - an install without a C compiler
 #: how many bytes a wake-up waits for (less at a row's end): large enough that a wake-up
 #: receives a piece, small enough that the piece is still in L2 when it is hashed
 RECV_PIECE_BYTES = 256 * 1024
-#: rows this short take XXH3's short-input paths, which the native code does not implement
-_NATIVE_MIN_BYTES = 241
 #: the wait without a deadline (the portable path then waits on the socket's own timeout)
 _NO_DEADLINE_S = 365 * 24 * 3600.0
 
@@ -48,7 +48,7 @@ def usable(sock: socket.socket, rows: Sequence[np.ndarray]) -> bool:
     return (
         _native is not None
         and not isinstance(sock, ssl.SSLSocket)
-        and all(row.nbytes >= _NATIVE_MIN_BYTES and row.flags.c_contiguous for row in rows)
+        and all(row.nbytes >= _native.MIN_BLOCK_BYTES and row.flags.c_contiguous for row in rows)
     )
 
 
@@ -69,3 +69,17 @@ def receive(
     elif status == _ERROR:
         failure = OSError(errno, f"receive failed after {len(digests)} of {len(rows)} rows")
     return digests, failure
+
+
+def receive_portable(
+    sock: socket.socket, rows: Sequence[np.ndarray], deadline: float | None
+) -> tuple[list[int], OSError | None]:
+    """``receive`` by ``recv_into`` and a checksum per row, right after it landed."""
+    digests: list[int] = []
+    try:
+        for row in rows:
+            wire.recv_into_exact(sock, memoryview(row).cast("B"), deadline)  # type: ignore[arg-type]
+            digests.append(checksum64(row))
+    except OSError as exc:  # PeerClosed, TimeoutError, socket errors: the caller raises it
+        return digests, exc
+    return digests, None

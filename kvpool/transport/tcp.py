@@ -382,32 +382,14 @@ class TcpTransport:
         progress: list[int],
         deadline: float,
     ) -> int:
-        """Receive each item into its destination and verify it; returns the first bad index or -1."""
-        if self.native_receive and recv_rows.usable(sock, dst[: len(metas)]):
-            return self._receive_native(sock, metas, dst[: len(metas)], progress, deadline)
-        bad = -1
-        for i, (length, checksum) in enumerate(metas):
-            target = dst[i]
-            wire.recv_into_exact(sock, memoryview(target).cast("B"), deadline)  # type: ignore[arg-type]
-            if bad < 0:
-                if checksum64(target) != checksum:
-                    bad = i
-                else:
-                    progress[0] = i + 1
-            self.bytes_received += length
-        return bad
-
-    def _receive_native(
-        self,
-        sock: socket.socket,
-        metas: list[tuple[int, int]],
-        dst: Sequence[np.ndarray],
-        progress: list[int],
-        deadline: float,
-    ) -> int:
-        """``_receive`` with each row hashed while it lands (``recv_rows``); the rows received
-        whole are verified even when the stream stopped early."""
-        digests, failure = recv_rows.receive(sock, dst, deadline)
+        """Receive each item into its destination and verify it; returns the first bad index or -1.
+        The rows received whole are verified (and counted in ``progress``) even when the stream
+        stopped early; then the reason it stopped is raised."""
+        rows = dst[: len(metas)]
+        if self.native_receive and recv_rows.usable(sock, rows):
+            digests, failure = recv_rows.receive(sock, rows, deadline)
+        else:
+            digests, failure = recv_rows.receive_portable(sock, rows, deadline)
         bad = -1
         for i, digest in enumerate(digests):
             length, checksum = metas[i]
