@@ -153,11 +153,8 @@ static inline void scramble_scalar(uint64_t acc[8], const uint8_t *secret) {
 /* Copy len bytes src -> dst (dst may be NULL: hash only) and return XXH3_64bits(src, len);
  * len > MIDSIZE_MAX. The last stripe is re-read from dst once copied (the bytes are
  * equal to what was loaded from src, so the digest is that of what dst holds). */
-static uint64_t hash_long_scalar(const uint8_t *src, uint8_t *dst, size_t len, int stream) {
-    (void)stream; /* regular stores only */
-    uint64_t acc[8];
-    init_accs(acc);
-    size_t nb_blocks = (len - 1) / BLOCK_LEN;
+/* The 1,024-byte blocks of the input, each a scramble at its end (copied to dst unless NULL). */
+static void blocks_scalar(uint64_t acc[8], const uint8_t *src, uint8_t *dst, size_t nb_blocks) {
     for (size_t n = 0; n < nb_blocks; n++) {
         const uint8_t *in = src + n * BLOCK_LEN;
         uint8_t *out = dst ? dst + n * BLOCK_LEN : NULL;
@@ -166,7 +163,12 @@ static uint64_t hash_long_scalar(const uint8_t *src, uint8_t *dst, size_t len, i
         }
         scramble_scalar(acc, kSecret + SECRET_SIZE - STRIPE_LEN);
     }
-    size_t done = nb_blocks * BLOCK_LEN;
+}
+
+/* After the (len - 1) / BLOCK_LEN whole blocks: the stripes of the last partial block, the rest
+ * copied to dst (unless NULL), the last stripe re-read from the end, merged. */
+static uint64_t tail_scalar(uint64_t acc[8], const uint8_t *src, uint8_t *dst, size_t len) {
+    size_t done = (len - 1) / BLOCK_LEN * BLOCK_LEN;
     size_t nb_stripes = ((len - 1) - done) / STRIPE_LEN;
     for (size_t s = 0; s < nb_stripes; s++) {
         accumulate_512_scalar(acc, src + done + s * STRIPE_LEN, dst ? dst + done + s * STRIPE_LEN : NULL, kSecret + s * 8);
@@ -178,6 +180,14 @@ static uint64_t hash_long_scalar(const uint8_t *src, uint8_t *dst, size_t len, i
     const uint8_t *tail = (dst ? dst : src) + len - STRIPE_LEN;
     accumulate_512_scalar(acc, tail, NULL, kSecret + SECRET_SIZE - STRIPE_LEN - SECRET_LASTACC_START);
     return merge_accs(acc, (uint64_t)len);
+}
+
+static uint64_t hash_long_scalar(const uint8_t *src, uint8_t *dst, size_t len, int stream) {
+    (void)stream; /* regular stores only */
+    uint64_t acc[8];
+    init_accs(acc);
+    blocks_scalar(acc, src, dst, (len - 1) / BLOCK_LEN);
+    return tail_scalar(acc, src, dst, len);
 }
 
 /* ---- AVX2 kernel ---------------------------------------------------------------------- */
@@ -293,12 +303,7 @@ typedef struct {
 } feed_t;
 
 static void fold_scalar(uint64_t acc[8], const uint8_t *src, size_t nb_blocks) {
-    for (size_t n = 0; n < nb_blocks; n++) {
-        for (size_t s = 0; s < STRIPES_PER_BLOCK; s++) {
-            accumulate_512_scalar(acc, src + n * BLOCK_LEN + s * STRIPE_LEN, NULL, kSecret + s * 8);
-        }
-        scramble_scalar(acc, kSecret + SECRET_SIZE - STRIPE_LEN);
-    }
+    blocks_scalar(acc, src, NULL, nb_blocks);
 }
 
 #if KV_X86
@@ -332,16 +337,10 @@ static void feed_more(feed_t *f, const uint8_t *base, size_t have) {
     }
 }
 
-/* All of it has landed: the tail (under 1,088 bytes, scalar) and the digest. */
+/* All of it has landed: the tail (under 1,088 bytes, scalar: ``tail_scalar``) and the digest. */
 static uint64_t feed_finish(feed_t *f, const uint8_t *base) {
     feed_more(f, base, f->len);
-    size_t done = f->nb_blocks * BLOCK_LEN;
-    size_t nb_stripes = ((f->len - 1) - done) / STRIPE_LEN;
-    for (size_t s = 0; s < nb_stripes; s++) {
-        accumulate_512_scalar(f->acc, base + done + s * STRIPE_LEN, NULL, kSecret + s * 8);
-    }
-    accumulate_512_scalar(f->acc, base + f->len - STRIPE_LEN, NULL, kSecret + SECRET_SIZE - STRIPE_LEN - SECRET_LASTACC_START);
-    return merge_accs(f->acc, (uint64_t)f->len);
+    return tail_scalar(f->acc, base, NULL, f->len);
 }
 
 /* ---- Python bindings ------------------------------------------------------------------ */
