@@ -37,80 +37,53 @@ def directory() -> Iterator[str]:
     server.stop()
 
 
-def test_a_call_cut_by_another_threads_switch_of_channel_is_retried(directory: str) -> None:
+@pytest.fixture
+def link(directory: str) -> Iterator[DirectoryLink]:
     link = DirectoryLink([directory], timeout_s=2.0)
-    try:
-        link.discover()
-        calls: list[str] = []
+    link.discover()
+    yield link
+    link.close()
 
-        class CutStub:
-            """The stub of a channel another thread replaces (and closes) during the call."""
 
-            def Nodes(self, request: Any, **kwargs: Any) -> Any:
-                calls.append("cut")
+def stub_raising(link: DirectoryLink, error: Exception, switch: bool, calls: list[str]) -> None:
+    """Put a stub on ``link`` whose call raises ``error``; with ``switch``, another thread of the
+    client has first switched channel (``_use`` closes this one) and is finding the leader again."""
+
+    class Stub:
+        def Nodes(self, request: Any, **kwargs: Any) -> Any:
+            calls.append(type(error).__name__)
+            if switch:
                 link._use("127.0.0.1:1")  # the other thread's switch: this channel is closed now
                 link._stub = None  # ...and it is finding the leader again
-                raise Cancelled()
+            raise error
 
-        link._stub = CutStub()  # type: ignore[assignment]
-        reply = link.call("Nodes", directory_pb2.NodesRequest())
-        assert calls == ["cut"] and isinstance(reply, directory_pb2.NodesReply)
-        assert link.leader == directory
-    finally:
-        link.close()
+    link._stub = Stub()  # type: ignore[assignment]
 
 
-def test_a_cancelled_call_on_the_current_channel_is_still_an_error(directory: str) -> None:
+# cut during the call (gRPC cancels it), or closed just before it began (gRPC refuses it)
+CUT = [Cancelled(), ValueError("Cannot invoke RPC on closed channel!")]
+
+
+@pytest.mark.parametrize("error", CUT, ids=["cancelled-during", "closed-before"])
+def test_a_call_on_a_channel_another_threads_switch_closed_is_retried(
+    link: DirectoryLink, directory: str, error: Exception
+) -> None:
+    calls: list[str] = []
+    stub_raising(link, error, switch=True, calls=calls)
+    reply = link.call("Nodes", directory_pb2.NodesRequest())
+    assert calls == [type(error).__name__] and isinstance(reply, directory_pb2.NodesReply)
+    assert link.leader == directory
+
+
+def test_a_cancelled_call_on_the_current_channel_is_still_an_error(link: DirectoryLink) -> None:
     from kvpool.core.errors import InternalError
 
-    link = DirectoryLink([directory], timeout_s=2.0)
-    try:
-        link.discover()
-
-        class CancelledStub:
-            def Nodes(self, request: Any, **kwargs: Any) -> Any:
-                raise Cancelled()
-
-        link._stub = CancelledStub()  # type: ignore[assignment]
-        with pytest.raises(InternalError, match="CANCELLED"):
-            link.call("Nodes", directory_pb2.NodesRequest())
-    finally:
-        link.close()
+    stub_raising(link, Cancelled(), switch=False, calls=[])
+    with pytest.raises(InternalError, match="CANCELLED"):
+        link.call("Nodes", directory_pb2.NodesRequest())
 
 
-def test_a_call_begun_on_a_channel_another_thread_closed_is_retried(directory: str) -> None:
-    link = DirectoryLink([directory], timeout_s=2.0)
-    try:
-        link.discover()
-        calls: list[str] = []
-
-        class ClosedStub:
-            """The stub of a channel another thread closed just before this call began."""
-
-            def Nodes(self, request: Any, **kwargs: Any) -> Any:
-                calls.append("closed")
-                link._use("127.0.0.1:1")
-                link._stub = None
-                raise ValueError("Cannot invoke RPC on closed channel!")
-
-        link._stub = ClosedStub()  # type: ignore[assignment]
-        reply = link.call("Nodes", directory_pb2.NodesRequest())
-        assert calls == ["closed"] and isinstance(reply, directory_pb2.NodesReply)
-    finally:
-        link.close()
-
-
-def test_a_value_error_on_the_current_channel_is_not_hidden(directory: str) -> None:
-    link = DirectoryLink([directory], timeout_s=2.0)
-    try:
-        link.discover()
-
-        class BrokenStub:
-            def Nodes(self, request: Any, **kwargs: Any) -> Any:
-                raise ValueError("something else")
-
-        link._stub = BrokenStub()  # type: ignore[assignment]
-        with pytest.raises(ValueError, match="something else"):
-            link.call("Nodes", directory_pb2.NodesRequest())
-    finally:
-        link.close()
+def test_a_value_error_on_the_current_channel_is_not_hidden(link: DirectoryLink) -> None:
+    stub_raising(link, ValueError("something else"), switch=False, calls=[])
+    with pytest.raises(ValueError, match="something else"):
+        link.call("Nodes", directory_pb2.NodesRequest())
