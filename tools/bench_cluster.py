@@ -151,18 +151,13 @@ def kvpool_batches(
 
             batches[f"kvpool {label} cluster get"] = cluster_get
             batches[f"kvpool {label} transport"] = raw_read
-            if kind == "ucx" and streams == 0 and per_item:
-                from kvpool.transport.ucx import UcxTransport
-
-                per_item_transport = UcxTransport(runs=False)
-                stack.callback(per_item_transport.close)
-                batches[f"kvpool {label} per-item transport"] = functools.partial(raw_read, per_item_transport)
-            if kind == "tcp" and streams == 0 and python_receive:
-                from kvpool.transport.tcp import TcpTransport
-
-                python_transport = TcpTransport(native_receive=False)
-                stack.callback(python_transport.close)
-                batches[f"kvpool {label} python-receive transport"] = functools.partial(raw_read, python_transport)
+            # A/B rows: a variant of this kind's transport, timed beside the default one
+            variants = {("ucx", "per-item"): per_item, ("tcp", "python-receive"): python_receive}
+            for (variant_kind, variant), wanted in variants.items():
+                if wanted and kind == variant_kind and streams == 0:
+                    other = variant_transport(variant)
+                    stack.callback(other.close)
+                    batches[f"kvpool {label} {variant} transport"] = functools.partial(raw_read, other)
 
         def verify() -> None:
             assert np.array_equal(out, data)
@@ -170,6 +165,18 @@ def kvpool_batches(
                 assert reader.counters["remote_blocks"] > 0 and reader.counters["local_blocks"] == 0
 
         yield batches, verify
+
+
+def variant_transport(variant: str) -> Any:
+    """The A/B transports: UCX moving one message per block (as before runs), and TCP
+    receiving with ``recv_into`` and a checksum per block (as before the native receive)."""
+    if variant == "per-item":
+        from kvpool.transport.ucx import UcxTransport
+
+        return UcxTransport(runs=False)
+    from kvpool.transport.tcp import TcpTransport
+
+    return TcpTransport(native_receive=False)
 
 
 # -- Mooncake ----------------------------------------------------------------------------
