@@ -156,6 +156,41 @@ class SlabAllocator:
         self.used_bytes += slot_bytes
         return slab * self.slab_bytes + slot * slot_bytes
 
+    def alloc_many(self, block_bytes: int, count: int, owner: int = 0) -> list[int]:
+        """The offsets ``count`` calls of ``alloc`` would give, in the same order, leaving the
+        same state (fewer where room ran out: the caller evicts and asks again). Why: a put
+        of 16,384 small blocks spent ~1 us a block in ``alloc``'s Python; here a slab's free
+        slots are taken as one slice and their offsets computed in one numpy pass."""
+        if count <= 0:
+            return []
+        self.check_block_bytes(block_bytes)
+        slot_bytes = slot_size_for(block_bytes)
+        cls = self._classes.get((owner, slot_bytes))
+        if cls is None:
+            cls = _SizeClass(slot_bytes, self.slab_bytes // slot_bytes)
+            self._classes[(owner, slot_bytes)] = cls
+        out: list[int] = []
+        while len(out) < count:
+            if not cls.partial.items:
+                slab = self._take_slab(owner)
+                if slab is None:
+                    break
+                self._slab_class[slab] = slot_bytes
+                self._slab_free_slots[slab] = list(range(cls.slots_per_slab - 1, -1, -1))
+                cls.partial.add(slab)
+            slab = cls.partial.items[-1]
+            free_slots = self._slab_free_slots[slab]
+            take = min(count - len(out), len(free_slots))
+            cut = len(free_slots) - take
+            slots = np.array(free_slots[cut:], dtype=np.int64)[::-1]  # alloc pops from the end
+            del free_slots[cut:]
+            out += (slots * slot_bytes + slab * self.slab_bytes).tolist()
+            self._slab_used[slab] += take
+            if not free_slots:
+                cls.partial.remove(slab)
+            self.used_bytes += take * slot_bytes
+        return out
+
     def free(self, offset: int) -> None:
         slab, within = divmod(offset, self.slab_bytes)
         if not 0 <= slab < self.num_slabs:

@@ -72,3 +72,60 @@ def test_freed_slabs_are_reusable_by_another_size_class(first: int, second: int)
         again.append(off)
     assert len(again) == NUM_SLABS * (SLAB_BYTES // slot_size_for(second))
     assert alloc.used_bytes == len(again) * slot_size_for(second)
+
+
+def _state(alloc: SlabAllocator) -> tuple[object, ...]:
+    """Everything an allocation can change, comparable between two allocators."""
+    classes = {key: (cls.partial.items[:], dict(cls.partial.pos)) for key, cls in alloc._classes.items()}
+    owners = {owner: segs.items[:] for owner, segs in alloc._owner_partial.items()}
+    return (
+        alloc._slab_class.tolist(),
+        alloc._slab_used.tolist(),
+        [slots[:] for slots in alloc._slab_free_slots],
+        classes,
+        owners,
+        dict(alloc._owner_free_slabs),
+        alloc._free_segments[:],
+        [slabs[:] for slabs in alloc._seg_free_slabs],
+        alloc._seg_owner.tolist(),
+        alloc.used_bytes,
+    )
+
+
+BATCH_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.sampled_from(SIZES), st.integers(0, 40), st.integers(0, 2)),
+        st.tuples(st.just("free"), st.integers(0, 10_000), st.integers(1, 30), st.just(0)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=BATCH_OPS, segment_slabs=st.sampled_from([0, 1, 2, 3]))
+def test_alloc_many_gives_what_that_many_allocs_give(ops: list[tuple[str, int, int, int]], segment_slabs: int) -> None:
+    """``alloc_many`` is a faster ``alloc`` in a loop: the same offsets in the same order and
+    the same state after, with owners and segments, across slab boundaries, up to running out."""
+    capacity = NUM_SLABS * SLAB_BYTES
+    batched = SlabAllocator(capacity, SLAB_BYTES, segment_slabs * SLAB_BYTES)
+    single = SlabAllocator(capacity, SLAB_BYTES, segment_slabs * SLAB_BYTES)
+    live: list[int] = []
+    for op, size, count, owner in ops:
+        if op == "alloc":
+            got = batched.alloc_many(size, count, owner)
+            want: list[int] = []
+            while len(want) < count:
+                offset = single.alloc(size, owner)
+                if offset is None:
+                    break
+                want.append(offset)
+            assert got == want
+            live += got
+        else:
+            for _ in range(min(count, len(live))):
+                offset = live.pop(size % len(live))
+                batched.free(offset)
+                single.free(offset)
+        assert _state(batched) == _state(single)
+        batched.check_invariants()
