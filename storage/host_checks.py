@@ -74,11 +74,12 @@ def check_host_store(store: HostStore) -> None:
         own(entry.offset, entry.size, entry.key, entry.namespace)
     pending_keys: set[bytes] = set()
     for put in [*store._pending.values(), *store._verifying.values()]:  # being verified: still theirs
-        for _, key, offset in put.slots:
+        for key, offset in zip(put.keys, put.offsets, strict=True):
             require(name, "a key is written by one put at a time", key not in pending_keys, key.hex)
             pending_keys.add(key)
             own(offset, put.block_bytes, key, put.namespace)
-        _bump(ns_bytes, put.namespace, len(put.slots) * put.block_bytes)
+        require(name, "a pending put has an index per slot", len(put.indices) == len(put.keys))
+        _bump(ns_bytes, put.namespace, len(put.keys) * put.block_bytes)
     require(name, "pending keys are the pending puts' keys", pending_keys == store._pending_keys)
     require(name, "allocated bytes are the blocks' slots", slot_bytes == store._alloc.used_bytes)
     require(name, "namespace bytes add up", ns_bytes == store._ns_bytes, lambda: f"{ns_bytes} != {store._ns_bytes}")

@@ -56,6 +56,7 @@ from kvpool.core.config import StoreConfig
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, LeaseExpired, NotFound
 from kvpool.core.events import EventKind
 from kvpool.core.invariants import checked_after
+from kvpool.core.keys import BlockKeys
 from kvpool.storage.allocator import NewOwnerHook, SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 from kvpool.storage.host_checks import check_host_store
@@ -273,6 +274,7 @@ class HostStore:
         """Reserve a slot for every key not present nor being written. All or nothing."""
         self._check_batch(keys)
         self._alloc.check_block_bytes(block_bytes)
+        key_list = keys[:] if isinstance(keys, BlockKeys) else list(keys)  # BlockKeys: one numpy pass
         with self._lock:
             now = self._clock.now_ms()
             if len(self._pending) >= self.config.max_pending_puts:
@@ -282,23 +284,12 @@ class HostStore:
                         f"{len(self._pending)} puts are in flight (max_pending_puts)",
                         hint="commit or abort puts, or raise --max-pending-puts",
                     )
-            present: list[int] = []
-            in_flight: list[int] = []
-            wanted: list[tuple[int, bytes]] = []
-            seen: set[bytes] = set()
-            for i, key in enumerate(keys):
-                if key in self._index:
-                    present.append(i)
-                elif key in self._pending_keys or key in seen:
-                    in_flight.append(i)
-                else:
-                    seen.add(key)
-                    wanted.append((i, key))
+            present, in_flight, indices, wanted = self._split_new(key_list)
             self.stats.skipped_present += len(present)
             if not wanted:
-                return PutGrant(0, [], present, in_flight)
+                return PutGrant(0, [], [], present, in_flight)
             # the writer skips the blocks we report present: making room must not evict them
-            self._protected = {keys[i] for i in present}
+            self._protected = {key_list[i] for i in present}
             try:
                 need = len(wanted) * block_bytes
                 if self.config.namespace_quota_bytes or namespace in self._tenant_of:
@@ -308,10 +299,34 @@ class HostStore:
                 self._protected = set()
             self._count(namespace, need)
             put_id = self._new_id()
-            slots = [(i, key, off) for (i, key), off in zip(wanted, offsets, strict=True)]
-            self._pending[put_id] = _PendingPut(namespace, block_bytes, now + self.config.put_ttl_ms, slots)
-            self._pending_keys.update(key for _, key in wanted)
-            return PutGrant(put_id, [(i, off) for i, _, off in slots], present, in_flight)
+            deadline_ms = now + self.config.put_ttl_ms
+            self._pending[put_id] = _PendingPut(namespace, block_bytes, deadline_ms, indices, wanted, offsets)
+            self._pending_keys.update(wanted)
+            return PutGrant(put_id, indices, offsets, present, in_flight)
+
+    def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[int], list[int], list[bytes]]:
+        """(present, in flight, indices to write, their keys) of a put's keys (lock held): a
+        key committed already, one another put is writing or an earlier copy in the same
+        request is skipped. The usual put (every key new) is recognised in three passes in C
+        before the per-key walk."""
+        index, pending = self._index, self._pending_keys
+        if not any(map(index.__contains__, keys)) and pending.isdisjoint(keys) and len(set(keys)) == len(keys):
+            return [], [], list(range(len(keys))), keys
+        present: list[int] = []
+        in_flight: list[int] = []
+        indices: list[int] = []
+        wanted: list[bytes] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key in index:
+                present.append(i)
+            elif key in pending or key in seen:
+                in_flight.append(i)
+            else:
+                seen.add(key)
+                indices.append(i)
+                wanted.append(key)
+        return present, in_flight, indices, wanted
 
     @checked_after
     def put_commit(self, put_id: int, checksums: Sequence[int], verify_one_in: int = 1) -> CommitResult:
@@ -348,10 +363,10 @@ class HostStore:
                     f"put {put_id} is unknown: never started, already finished, or reclaimed after put_ttl_ms",
                     hint="start the put again",
                 )
-            if len(checksums) != len(pending.slots):
+            if len(checksums) != len(pending.keys):
                 self._drop_put(pending)
                 raise InvalidArgument(
-                    f"commit carries {len(checksums)} checksums for {len(pending.slots)} written blocks; put aborted"
+                    f"commit carries {len(checksums)} checksums for {len(pending.keys)} written blocks; put aborted"
                 )
             self._verifying[put_id] = pending
         size = pending.block_bytes
@@ -364,18 +379,19 @@ class HostStore:
             raise
         with self._lock:
             del self._verifying[put_id]
-            self._pending_keys.difference_update(key for _, key, _ in pending.slots)
+            self._pending_keys.difference_update(pending.keys)
             committed: list[bytes] = []
             failed: list[int] = []
-            for (index, key, offset), checksum, ok in zip(pending.slots, checksums, matches, strict=True):
+            namespace, index, on_insert = pending.namespace, self._index, self._policy.on_insert
+            slots = zip(pending.indices, pending.keys, pending.offsets, checksums, matches, strict=True)
+            for request_index, key, offset, checksum, ok in slots:
                 if not ok:
                     self._alloc.free(offset)
-                    self._count(pending.namespace, -size)
-                    failed.append(index)
+                    self._count(namespace, -size)
+                    failed.append(request_index)
                     continue
-                entry = Entry(key, offset, size, checksum, pending.namespace)
-                self._index[key] = entry
-                self._policy.on_insert(key)
+                index[key] = Entry(key, offset, size, checksum, namespace)
+                on_insert(key)
                 committed.append(key)
             self.stats.puts += len(committed)
             self.stats.put_bytes += len(committed) * size
@@ -391,7 +407,7 @@ class HostStore:
         """Per slot of ``pending``: whether its bytes match ``checksums``, and how many blocks
         were checksummed (outside the lock). ``sample``: the slots to check (None: all); a
         slot left out counts as matching, unless a sampled one fails (``put_commit``)."""
-        offsets = [offset for _, _, offset in pending.slots]
+        offsets = pending.offsets
         checked = 0
         if sample is not None:
             digests = checksum_at(self._buffer, [offsets[i] for i in sample], pending.block_bytes)
@@ -405,10 +421,10 @@ class HostStore:
 
     def _drop_put(self, pending: _PendingPut) -> None:
         """Forget a put taken out of ``_pending``: its keys, slots and bytes (lock held)."""
-        self._pending_keys.difference_update(key for _, key, _ in pending.slots)
-        for _, _, off in pending.slots:
+        self._pending_keys.difference_update(pending.keys)
+        for off in pending.offsets:
             self._alloc.free(off)
-        self._count(pending.namespace, -len(pending.slots) * pending.block_bytes)
+        self._count(pending.namespace, -len(pending.keys) * pending.block_bytes)
 
     def write_slot(self, put_id: int, slot: int, data: np.ndarray) -> bool:
         """Copy one block into ``grant.slots[slot]`` of a pending put, only if that put still
@@ -420,9 +436,9 @@ class HostStore:
         gone (or ``slot`` is out of range, or ``data`` is not one block): nothing was written."""
         with self._lock:
             pending = self._pending.get(put_id)
-            if pending is None or not 0 <= slot < len(pending.slots) or data.nbytes != pending.block_bytes:
+            if pending is None or not 0 <= slot < len(pending.offsets) or data.nbytes != pending.block_bytes:
                 return False
-            offset = pending.slots[slot][2]
+            offset = pending.offsets[slot]
             self._buffer[offset : offset + pending.block_bytes] = data.reshape(-1).view(np.uint8)
             return True
 
@@ -445,7 +461,7 @@ class HostStore:
             if key not in self._pending_keys:
                 return None
             for put in self._pending.values():
-                if any(k == key for _, k, _ in put.slots):
+                if key in put.keys:
                     return put.deadline_ms
         return None
 
@@ -693,9 +709,9 @@ class HostStore:
         offsets: list[int] = []
         try:
             while len(offsets) < count:
-                offset = self._alloc.alloc(block_bytes, owner)
-                if offset is not None:
-                    offsets.append(offset)
+                got = self._alloc.alloc_many(block_bytes, count - len(offsets), owner)
+                if got:
+                    offsets += got
                     continue
                 if self._evict_one(mine) or (mine is not None and evict_segment(self, owner)):
                     continue

@@ -274,7 +274,8 @@ class TieredStore:
             inner = self.host.put_start(namespace, [keys[i] for i in rest], block_bytes)
             grant = PutGrant(
                 inner.put_id,
-                [(rest[j], off) for j, off in inner.slots],
+                [rest[j] for j in inner.indices],
+                inner.offsets,
                 sorted([rest[j] for j in inner.already_present] + below),
                 [rest[j] for j in inner.in_flight],
             )

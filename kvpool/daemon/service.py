@@ -301,12 +301,11 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         info, keys = self._keys(request, context)
         self._release(request.release_lease_ids)
         grant = self.node.store.put_start(info.digest, keys, info.spec.block_bytes)
-        offsets = [off for _, off in grant.slots]
         return pool_pb2.PutStartReply(
             put_id=grant.put_id,
-            indices=[i for i, _ in grant.slots],
-            offsets=offsets,
-            segment_generations=self.node.store.segment_generations(offsets),
+            indices=grant.indices,
+            offsets=grant.offsets,
+            segment_generations=self.node.store.segment_generations(grant.offsets),
             already_present=grant.already_present,
             in_flight=grant.in_flight,
             block_bytes=info.spec.block_bytes,
