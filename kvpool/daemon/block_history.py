@@ -80,9 +80,10 @@ class RemovalLog:
                 records.popitem(last=False)
 
     def on_stored(self, keys: Sequence[bytes]) -> None:
+        records = self._records
         with self._lock:
-            for key in keys:
-                self._records.pop(key, None)
+            for key in list(filter(records.__contains__, keys)):  # the membership pass in C
+                records.pop(key, None)  # a key may come twice
 
     def get(self, key: bytes) -> Removal | None:
         with self._lock:
