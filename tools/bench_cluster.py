@@ -11,13 +11,17 @@ What is measured (median over --iters batches, after --warmup batches):
   "cluster get" = directory lookup + transfer + verify; "transport" = the data plane
   alone. For the tcp, ucx and nixl data planes (node A serves tcp and ucx; node N, started
   with --transport nixl, holds its own copy of the blocks for the nixl reader).
+- loopback tcp bound: the same bytes sent by another process over one loopback TCP
+  connection and received with nothing else (tools/bench_tcp_bound.py): the ceiling of
+  any TCP reader here; "kvpool tcp ... / loopback tcp bound" is how much of it a read gets.
 - Mooncake Store: a writer process puts the blocks into its own segment; this process
   reads them with `batch_get_into` and with a loop of `get_into` (protocol tcp) into a
   registered buffer: the two-process get.
 - Redis: `redis-server` on 127.0.0.1; MGET (batch) and GET (loop), copied into the buffer.
 - Cases: --blocks blocks of each --block-mib size, and a whole prompt of --prompt-blocks
   blocks of --prompt-block-kib (one batched request / NIXL READ per system).
-- Directory lookup: 512 blocks spread over 3 nodes, one Lookup call for the whole prompt.
+- Directory lookup: 512 blocks spread over 3 nodes, one Lookup call for the whole prompt,
+  paced (one every 20 ms) and back to back (held by the directory's per-tenant call rate).
 
 Mooncake's master and transfer engine listen on every interface, so by default the
 script runs inside a private network namespace (`unshare -n`, loopback only).
@@ -55,6 +59,8 @@ from kvpool.transport.factory import make_transport, nixl_available, ucx_availab
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pool import reserved_huge_pages  # noqa: E402
+from bench_tcp_bound import ROW as TCP_BOUND  # noqa: E402
+from bench_tcp_bound import tcp_bound_batch  # noqa: E402
 
 MiB = 1 << 20
 
@@ -72,6 +78,9 @@ def spec_for(block_kib: int) -> KVSpec:
         block_tokens=block_kib // TOKEN_KIB,
     )
 
+
+#: the gap between the timed lookups of a "paced" run (bench_pool.py times its lookups the same way)
+LOOKUP_PACE_S = 0.020
 
 Batch = Callable[[], None]  # moves one batch into the reader's buffer; asserts it all arrived
 
@@ -337,6 +346,13 @@ def redis_batches(block_kib: int, blocks: int, workdir: str) -> Iterator[tuple[d
         server.wait()
 
 
+@contextlib.contextmanager
+def tcp_bound_batches(block_kib: int, blocks: int) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
+    """The same bytes over one loopback TCP connection and nothing else (tools/bench_tcp_bound.py)."""
+    with tcp_bound_batch(block_kib << 10, blocks) as (receive, check):
+        yield {TCP_BOUND: receive}, check
+
+
 # -- directory lookup --------------------------------------------------------------------
 def bench_lookup(cluster: LocalCluster, directory: str, node_addrs: list[str], samples: int) -> dict[str, float]:
     spec = KVSpec(model="bench-lookup", num_layers=2, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16)
@@ -351,12 +367,19 @@ def bench_lookup(cluster: LocalCluster, directory: str, node_addrs: list[str], s
         wait_until(lambda: c.lookup(hashes) == blocks, 10, "512 blocks visible")
         holders = {h.node_id for hs in c.locate(hashes)[0] for h in hs}
         assert holders == {"node-a", "node-b", "node-c"}, holders
-        times = interleaved({"lookup": lambda: c.locate(hashes) and None}, samples, 20)["lookup"]
-    times_ms = sorted(t * 1000 for t in times)
-    return {
-        "lookup 512 blocks median ms": statistics.median(times_ms),
-        "lookup 512 blocks p99 ms": times_ms[int(0.99 * (len(times_ms) - 1))],
-    }
+        back_to_back = interleaved({"lookup": lambda: c.locate(hashes) and None}, samples, 20)["lookup"]
+        paced = []  # one every 20 ms: back to back, the directory's per-tenant call rate sets the pace
+        for _ in range(samples):
+            time.sleep(LOOKUP_PACE_S)
+            t0 = time.perf_counter()
+            c.locate(hashes)
+            paced.append(time.perf_counter() - t0)
+    report = {}
+    for how, times in (("", paced), (" back to back", back_to_back)):
+        times_ms = sorted(t * 1000 for t in times)
+        report[f"lookup 512 blocks{how} median ms"] = statistics.median(times_ms)
+        report[f"lookup 512 blocks{how} p99 ms"] = times_ms[int(0.99 * (len(times_ms) - 1))]
+    return report
 
 
 # -- driver ------------------------------------------------------------------------------
@@ -445,6 +468,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     args.one_stream_rows,
                                 )
                             )
+                    setups.append(tcp_bound_batches(block_kib, blocks))
                     if not args.skip_mooncake:
                         setups.append(mooncake_batches(block_kib, blocks, workdir))
                     if not args.skip_redis and shutil.which("redis-server") and importlib.util.find_spec("redis"):
@@ -475,7 +499,7 @@ def print_row(label: str, row: dict[str, float]) -> None:
     for name, value in row.items():
         print(f"  {name:32s} {value:7.2f}")
     for mine in [k for k in row if k.startswith("kvpool")]:
-        for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET"):
+        for base in ("mooncake batch_get_into", "mooncake get_into", "redis MGET", "redis GET", TCP_BOUND):
             if base in row:
                 print(f"  ratio {mine} / {base:24s} {row[mine] / row[base]:6.2f}x")
     for variant in ("per-item", "python-receive"):  # --ucx-per-item-rows, --tcp-python-receive-rows: A/Bs
