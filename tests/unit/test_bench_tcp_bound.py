@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from bench_tcp_bound import tcp_bound_batch  # noqa: E402
+from bench_tcp_bound import tcp_bound_batch
 
 
 @pytest.mark.parametrize(("block_bytes", "blocks"), [(4096, 3), (256 << 10, 9), (1000, 70)])
