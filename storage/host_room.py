@@ -60,15 +60,28 @@ def check_can_fit(store: HostStore, count: int, block_bytes: int, owner: int = 0
     Counted per slab, because slabs are per size class: evicting a block frees a slot of
     its own class, and frees room for another class only when its whole slab empties; a
     slab of another owner helps only when its whole segment empties.
-    A scan of the index, but only on this path (eviction is needed to fit).
+    A scan of the index, only on this path (eviction is needed to fit), which in a full pool
+    is every put: it stops as soon as enough evictable blocks of this size and owner are
+    seen (each frees a usable slot), so a put in a full pool of a million blocks looks at
+    about as many blocks as it must evict, not at all of them.
     """
     slot_bytes = slot_size_for(block_bytes)
+    alloc = store._alloc
+    free_now = alloc.free_slots_for(block_bytes, owner)
+    same_class = 0  # evictable blocks in this owner's slabs of this size class
     evictable_per_slab: dict[int, int] = {}
     for key, entry in store._index.items():
         if store._evictable(key):
-            slab = store._alloc.slab_of(entry.offset)
+            slab = alloc.slab_of(entry.offset)
             evictable_per_slab[slab] = evictable_per_slab.get(slab, 0) + 1
-    obtainable = store._alloc.free_slots_for(block_bytes, owner)
+            if (
+                alloc.slot_bytes_at(entry.offset) == slot_bytes
+                and alloc.segment_owner(alloc.segment_of(entry.offset)) == owner
+            ):
+                same_class += 1
+                if free_now + same_class >= count:
+                    return
+    obtainable = free_now
     per_slab = store._alloc.slots_per_slab(block_bytes)
     others: dict[int, bool] = {}  # another owner's segment -> whether all of it can be evicted
     for slab, evictable in evictable_per_slab.items():

@@ -58,12 +58,16 @@ def hashes_of(keys: Sequence[bytes]) -> list[bytes]:
     return [k[NAMESPACE_BYTES:] for k in keys]
 
 
+#: below this many keys the plain loop is faster than numpy's fixed cost (an eviction's one key)
+GROUP_IN_NUMPY_MIN = 32
+
+
 def group_by_namespace(keys: Iterable[bytes]) -> dict[bytes, list[bytes]]:
     """namespace -> its hashes, in the keys' order (events name one namespace each). A
     batch of one namespace (every put's commit) is recognised and cut in one numpy pass:
     16,384 keys sliced one at a time were ~10 % of a small-block put's daemon time."""
     keys = keys if isinstance(keys, list) else list(keys)
-    if keys and set(map(len, keys)) == {BLOCK_KEY_BYTES}:
+    if len(keys) >= GROUP_IN_NUMPY_MIN and set(map(len, keys)) == {BLOCK_KEY_BYTES}:
         packed = b"".join(keys)
         rows = np.frombuffer(packed, dtype=np.uint8).reshape(len(keys), BLOCK_KEY_BYTES)
         if (rows[:, :NAMESPACE_BYTES] == rows[0, :NAMESPACE_BYTES]).all():

@@ -276,7 +276,21 @@ def test_watermarks_evict_down_to_low_in_lru_order() -> None:
     assert h.present() == {0, 5, 6, 7, 8, 100}
     assert h.store.summary()["evictions"] == 4
     removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
-    assert removed == [[key(1)], [key(2)], [key(3)], [key(4)]]
+    assert removed == [[key(1), key(2), key(3), key(4)]]  # one event for the put's evictions, in their order
+
+
+def test_a_put_into_a_full_pool_looks_at_about_as_many_blocks_as_it_evicts() -> None:
+    """In a full pool every put evicts: the check that the put can fit (before anything is
+    evicted) stops once it has seen enough evictable blocks of the put's size, instead of
+    walking the whole index per put (a million blocks in a large daemon)."""
+    h = Harness(slots=512)
+    assert h.put(list(range(512))) == 512
+    seen: list[bytes] = []
+    evictable = h.store._evictable
+    h.store._evictable = lambda k: seen.append(k) or evictable(k)  # type: ignore[method-assign]
+    assert h.put([1000, 1001, 1002]) == 3
+    assert len(seen) <= 3 * 2 + 2, f"{len(seen)} blocks looked at for a 3-block put"
+    assert h.present() == set(range(3, 512)) | {1000, 1001, 1002}  # the 3 oldest went
 
 
 def test_batch_limit() -> None:
