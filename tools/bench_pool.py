@@ -5,7 +5,9 @@ kind of memory, measured in the same run (issue 13, items 1, 2, 3, 5).
 
 For each block size, one round = (copy out of a 4 KiB-page shared mapping at its best copy
 size, kvpool get_into, private huge-page copy, kvpool put, copy into the shared mapping),
-repeated ``--repeats`` times (ABAB: a burst of load hits both sides); every figure is the
+repeated ``--repeats`` times (ABAB: a burst of load hits both sides), then ``--repeats``
+rounds of (copy into the shared mapping, kvpool put of new keys into a full pool: each
+evicts about as many blocks as it stores, "put, full pool"); every figure is the
 median with its [min-max] range. Baselines: ``tools/bench_copy.py``. The daemon runs in its
 own process, the client in this one; get_into verifies every block's xxh3-64, put includes
 PutStart, its write window, the source checksum and the daemon's verification at commit.
@@ -48,6 +50,7 @@ from kvpool.client.blocks import read_rows
 from kvpool.core.checksum import checksum64
 from kvpool.core.hashing import chain_hashes
 from kvpool.daemon.cluster_local import free_port
+from kvpool.proto import pool_pb2
 from kvpool.storage.arena import HugePageRoom
 
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
@@ -132,9 +135,17 @@ def key_hashes(tag: int, block_bytes: int, n: int) -> list[bytes]:
     return [tag.to_bytes(4, "little") + block_bytes.to_bytes(4, "little") + i.to_bytes(8, "little") for i in range(n)]
 
 
-def timed_put(client: PoolClient, hashes: list[bytes], src: np.ndarray) -> float:
-    """Seconds of one put of ``src`` under ``hashes`` (removed first: every block is stored)."""
-    client.remove(hashes)
+def read_all(client: PoolClient, hashes: list[bytes], dst: np.ndarray) -> None:
+    """One get_into of every block (a shorter read would time as a faster one)."""
+    got = client.get_into(hashes, dst)
+    assert got == len(hashes), f"{got} of {len(hashes)} blocks read"
+
+
+def timed_put(client: PoolClient, hashes: list[bytes], src: np.ndarray, remove_first: bool = True) -> float:
+    """Seconds of one put of ``src`` under ``hashes`` (removed first, or new keys: every
+    block is stored)."""
+    if remove_first:
+        client.remove(hashes)
     t0 = time.perf_counter()
     stored = client.put(hashes, src).stored
     seconds = time.perf_counter() - t0
@@ -154,7 +165,7 @@ def bench_size(
     total = n * block_bytes
     src = base.private_src[:total].view(np.float16).reshape(n, *spec.block_shape)
     dst = base.private_dst[:total].view(np.float16).reshape(n, *spec.block_shape)
-    names: tuple[str, ...] = ("shm_read", "get_into", "huge_copy", "put", "shm_write")
+    names: tuple[str, ...] = ("shm_read", "get_into", "huge_copy", "put", "shm_write", "put_full")
     names += ("put_pipelined", "put_mprotect") if put_ab else ()
     times: dict[str, list[float]] = {k: [] for k in names}
     with (
@@ -173,14 +184,26 @@ def bench_size(
             timed_put(plain, hashes, src)
         for _ in range(repeats):
             times["shm_read"].append(timed(base.shm_read))
-            times["get_into"].append(timed(lambda: client.get_into(hashes, dst)))
+            times["get_into"].append(timed(lambda: read_all(client, hashes, dst)))
             times["huge_copy"].append(timed(base.huge_copy))
             times["put"].append(timed_put(client, hashes, src))
             times["shm_write"].append(timed(base.shm_write))
             if put_ab:
                 times["put_pipelined"].append(timed_put(pipelined, hashes, src))
                 times["put_mprotect"].append(timed_put(plain, hashes, src))
+        # put_full, after the rounds above (its evictions must not reach the blocks they read):
+        # a batch of new keys each time into a pool full from the third batch on (capacity
+        # 2 x total + 128 MiB), so each evicts about as many blocks as it stores; interleaved
+        # with more copies into the shared mapping
+        fresh = [key_hashes(1 + k, block_bytes, n) for k in range(repeats + 2)]
+        for batch in fresh[:2]:
+            assert client.put(batch, src).stored == n
+        for batch in fresh[2:]:
+            times["shm_write"].append(timed(base.shm_write))
+            times["put_full"].append(timed_put(client, batch, src, remove_first=False))
         client.remove(hashes)
+        for batch in fresh:
+            client.remove(batch)
     row: dict[str, Any] = {"block_bytes": block_bytes, "blocks": n}
     for name, seconds in times.items():
         row[name] = Spread.of(total, seconds)
@@ -188,6 +211,7 @@ def bench_size(
     row["get_into_x_shm"] = med["shm_read"] / med["get_into"]
     row["get_into_x_huge"] = med["huge_copy"] / med["get_into"]
     row["put_x_shm"] = med["shm_write"] / med["put"]
+    row["put_full_x_shm"] = med["shm_write"] / med["put_full"]
     if put_ab:
         row["put_pipelined_x_shm"] = med["shm_write"] / med["put_pipelined"]
         row["put_mprotect_x_shm"] = med["shm_write"] / med["put_mprotect"]
@@ -308,6 +332,12 @@ def bench_hashing(repeats: int) -> list[dict[str, float]]:
 LOOKUP_PACE_MS = 20
 
 
+def release_nothing(client: PoolClient) -> None:
+    """A Release of no lease: through the daemon's gRPC server, its auth and its fairness
+    gate, and nothing else."""
+    client._rpc(client._stub.Release, pool_pb2.ReleaseRequest())
+
+
 def bench_lookup(address: str, samples: int) -> dict[str, float]:
     """A 512-block lookup's latency, paced (``LOOKUP_PACE_MS``), and back to back (where the
     tenant's call rate holds it: the daemon's fairness, not the lookup, sets that figure)."""
@@ -317,16 +347,19 @@ def bench_lookup(address: str, samples: int) -> dict[str, float]:
         hashes = client.hashes(tokens)
         client.put(hashes, np.zeros((len(hashes), *spec.block_shape), dtype=np.float16))
         back_to_back = [timed(lambda: client.lookup(hashes)) for _ in range(samples)]
-        paced = []
-        for _ in range(samples // 2):
-            time.sleep(LOOKUP_PACE_MS / 1e3)
-            paced.append(timed(lambda: client.lookup(hashes)))
+        paced: list[float] = []
+        bare: list[float] = []  # the floor: a call the daemon does nothing for (Release of no lease)
+        for _ in range(samples // 2):  # alternated, paced alike
+            for out, call in ((paced, lambda: client.lookup(hashes)), (bare, lambda: release_nothing(client))):
+                time.sleep(LOOKUP_PACE_MS / 1e3)
+                out.append(timed(call))
     median_ms, p99_ms = median_p99_ms(paced)
     back_median_ms, back_p99_ms = median_p99_ms(back_to_back)
     return {
         "blocks": 512,
         "median_ms": median_ms,
         "p99_ms": p99_ms,
+        "bare_call_median_ms": median_p99_ms(bare)[0],
         "back_to_back_median_ms": back_median_ms,
         "back_to_back_p99_ms": back_p99_ms,
     }
@@ -341,14 +374,15 @@ def print_sizes(title: str, rows: Sequence[dict[str, Any]]) -> None:
     print(f"\n## {title}: GB/s median [min-max]; x = ratio of medians to the baseline beside it")
     print(
         f"{'block':>7} | {'shm read':>20} {'get_into':>20} {'x shm':>6} {'x huge':>6} {'fixed us':>8} | "
-        f"{'huge copy':>20} | {'shm write':>20} {'put':>20} {'x shm':>6} {'fixed us':>8}"
+        f"{'huge copy':>20} | {'shm write':>20} {'put':>20} {'x shm':>6} {'fixed us':>8} | "
+        f"{'put, full pool':>20} {'x shm':>6}"
     )
     for r in rows:
         print(
             f"{r['block_bytes'] // KiB:>5}Ki | {r['shm_read'].text():>20} {r['get_into'].text():>20} "
             f"{r['get_into_x_shm']:>6.2f} {r['get_into_x_huge']:>6.2f} {r['get_into_fixed_us']:>8.1f} | "
             f"{r['huge_copy'].text():>20} | {r['shm_write'].text():>20} {r['put'].text():>20} "
-            f"{r['put_x_shm']:>6.2f} {r['put_fixed_us']:>8.1f}"
+            f"{r['put_x_shm']:>6.2f} {r['put_fixed_us']:>8.1f} | {r['put_full'].text():>20} {r['put_full_x_shm']:>6.2f}"
             + (
                 f" | put, pipelined mprotect {r['put_pipelined'].text()} x shm {r['put_pipelined_x_shm']:.2f}"
                 f" | put, whole-window mprotect {r['put_mprotect'].text()} x shm {r['put_mprotect_x_shm']:.2f}"
@@ -482,6 +516,11 @@ def main() -> int:
         f"p99 {lk['p99_ms']:.3f} ms -> {'MET' if lk['median_ms'] < 1.0 else 'MISSED'} (target < 1 ms median); "
         f"back to back (the tenant's call rate): median {lk['back_to_back_median_ms']:.3f} ms, "
         f"p99 {lk['back_to_back_p99_ms']:.3f} ms"
+    )
+    print(
+        f"  beside it, paced alike: a call the daemon does nothing for (gRPC's floor here) "
+        f"{lk['bare_call_median_ms']:.3f} ms median: the lookup's own cost "
+        f"{lk['median_ms'] - lk['bare_call_median_ms']:.3f} ms"
     )
     print(f"# load average at the end {os.getloadavg()}")
     if args.json:
