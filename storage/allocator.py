@@ -164,9 +164,9 @@ class SlabAllocator:
         asks again). Why: a put of 16,384 small blocks spent ~1 us a block in ``alloc``'s
         Python; here a slab's free slots are taken as one slice and their offsets computed in
         one numpy pass."""
+        self.check_block_bytes(block_bytes)
         if count <= 0:
             return []
-        self.check_block_bytes(block_bytes)
         slot_bytes = slot_size_for(block_bytes)
         cls = self._classes.get((owner, slot_bytes))
         if cls is None:
@@ -175,7 +175,12 @@ class SlabAllocator:
         out: list[int] = []
         while len(out) < count:
             if not cls.partial.items:
-                slab = self._take_slab(owner)
+                try:
+                    slab = self._take_slab(owner)  # its on_new_owner hook may refuse a segment
+                except BaseException:
+                    for offset in out:  # the slots taken so far exist nowhere else: give them back
+                        self.free(offset)
+                    raise
                 if slab is None:
                     break
                 self._slab_class[slab] = slot_bytes
@@ -184,13 +189,16 @@ class SlabAllocator:
             slab = cls.partial.items[-1]
             free_slots = self._slab_free_slots[slab]
             take = min(count - len(out), len(free_slots))
-            cut = len(free_slots) - take
-            # the slots that many allocs would pop, lowest first: slots freed by evicting blocks
-            # in LRU order come back reversed, and a put's slots in reverse order are no two
-            # adjacent, so its client copies (and opens its window) one block at a time
-            slots = np.sort(np.array(free_slots[cut:], dtype=np.int64))
-            del free_slots[cut:]
-            out += (slots * slot_bytes + slab * self.slab_bytes).tolist()
+            if take == 1:  # a full pool's put: one slot at a time, each freed by an eviction
+                out.append(slab * self.slab_bytes + free_slots.pop() * slot_bytes)
+            else:
+                # the slots that many allocs would pop, lowest first: slots freed by evicting
+                # blocks in LRU order come back reversed, and a put's slots in reverse order are
+                # no two adjacent, so its client copies (and opens its window) a block at a time
+                cut = len(free_slots) - take
+                slots = np.sort(np.array(free_slots[cut:], dtype=np.int64))
+                del free_slots[cut:]
+                out += (slots * slot_bytes + slab * self.slab_bytes).tolist()
             self._slab_used[slab] += take
             if not free_slots:
                 cls.partial.remove(slab)

@@ -78,7 +78,8 @@ def test_freed_slabs_are_reusable_by_another_size_class(first: int, second: int)
 
 def _state(alloc: SlabAllocator) -> tuple[object, ...]:
     """Everything an allocation can change, comparable between two allocators."""
-    classes = {key: (cls.partial.items[:], dict(cls.partial.pos)) for key, cls in alloc._classes.items()}
+    # a size class with no slab is the same as none (alloc makes one before it asks for a slab)
+    classes = {key: (c.partial.items[:], dict(c.partial.pos)) for key, c in alloc._classes.items() if c.partial.items}
     owners = {owner: segs.items[:] for owner, segs in alloc._owner_partial.items()}
     return (
         list(alloc._slab_class),
@@ -134,3 +135,39 @@ def test_alloc_many_gives_what_that_many_allocs_give(ops: list[tuple[str, int, i
                 single.free(offset)
         assert _state(batched) == _state(single)
         batched.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    count=st.integers(1, 24),
+    refuse_at=st.integers(1, 4),
+    before=st.lists(st.integers(0, 2), max_size=6),
+)
+def test_alloc_many_refused_a_segment_leaves_nothing_taken(count: int, refuse_at: int, before: list[int]) -> None:
+    """The arena may refuse a segment (its ``on_new_owner`` hook raises: no fresh memory):
+    ``alloc_many`` then gives back the slots it took in the same call, so the state is the one
+    before the call (nothing allocated and owned by no one)."""
+    calls = [0]
+
+    def hook(segment: int, owner: int, generation: int) -> None:
+        calls[0] += 1
+        if armed[0] and calls[0] >= refuse_at:
+            raise MemoryError("no fresh memory for the segment")
+
+    armed = [False]
+    alloc = SlabAllocator(NUM_SLABS * SLAB_BYTES, SLAB_BYTES, SLAB_BYTES, on_new_owner=hook)
+    for owner in before:
+        alloc.alloc_many(1024, 2, owner)
+
+    def taken(a: SlabAllocator) -> tuple[object, ...]:
+        """What is allocated and to whom (not the order of the free stacks, nor the
+        generations of segments handed over and back, as a loop of allocs would leave them)."""
+        return (a.used_bytes, list(a._slab_class), list(a._slab_used), list(a._seg_owner), sorted(a._free_segments))
+
+    state = taken(alloc)
+    armed[0], calls[0] = True, 0
+    try:
+        alloc.alloc_many(1024, count, 3)
+    except MemoryError:
+        assert taken(alloc) == state
+    alloc.check_invariants()
