@@ -298,13 +298,13 @@ class HostStore:
                 offsets = self._allocate(len(wanted), block_bytes, now, self._owner_of.get(namespace, 0))
             finally:
                 self._protected = set()
-                self._report_evicted()
+                self._report_evicted()  # those of a failed quota pass (_allocate reports its own)
             self._count(namespace, need)
             put_id = self._new_id()
             deadline_ms = now + self.config.put_ttl_ms
             self._pending[put_id] = _PendingPut(namespace, block_bytes, deadline_ms, indices, wanted, offsets)
             self._pending_keys.update(wanted)
-            return PutGrant(put_id, indices, offsets, present, in_flight)
+            return PutGrant(put_id, indices[:], offsets[:], present, in_flight)  # copies: the put keeps its own
 
     def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[int], list[int], list[bytes]]:
         """(present, in flight, indices to write, their keys) of a put's keys (lock held): a
@@ -697,10 +697,13 @@ class HostStore:
         """One REMOVED for every block the put_start under way evicted (lock held; its keys
         name their namespaces). Why not one per block: in a full pool every block put evicts
         one, and an event per eviction (grouped, logged, recorded) was 60 % of PutStart,
-        ~10 us a block."""
-        if self._evicted:
-            keys, self._evicted = self._evicted, []
-            self._emit(EventKind.REMOVED, keys, b"")
+        ~10 us a block. At most ``max_batch_blocks`` keys an event: a watermark pass in a
+        large arena evicts hundreds of thousands of blocks, more than a directory takes in
+        one event."""
+        keys, self._evicted = self._evicted, []
+        step = self.config.max_batch_blocks  # what a directory takes in one event of a heartbeat
+        for start in range(0, len(keys), step):
+            self._emit(EventKind.REMOVED, keys[start : start + step], b"")
 
     def _allocate(self, count: int, block_bytes: int, now: float, owner: int = 0) -> list[int]:
         """``count`` slots of ``block_bytes`` in segments of ``owner``, evicting to make room
@@ -731,6 +734,7 @@ class HostStore:
                     f"{capacity} bytes are used and nothing more can be evicted (leased, pinned or in flight)",
                     hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
                 )
+            self._report_evicted()  # inside the try: should the event sink raise, the slots go back
         except BaseException:  # full, or fresh memory for a segment could not be had
             for off in offsets:
                 self._alloc.free(off)

@@ -293,6 +293,34 @@ def test_a_put_into_a_full_pool_looks_at_about_as_many_blocks_as_it_evicts() -> 
     assert h.present() == set(range(3, 512)) | {1000, 1001, 1002}  # the 3 oldest went
 
 
+def test_the_evictions_of_a_put_go_out_in_events_of_at_most_max_batch_blocks() -> None:
+    """One event for a put's evictions, cut at max_batch_blocks keys (a watermark pass in a
+    large arena evicts more than a directory takes in one event), in eviction order."""
+    h = Harness(slots=16, high_watermark=0.5, low_watermark=0.25, max_batch_blocks=3)
+    for first in range(0, 8, 2):
+        h.put([first, first + 1])  # 8 of 16: at high, no eviction yet
+    h.events.clear()
+    h.put([100])  # evict down to 4 - 1 = 3 blocks: the 5 oldest go
+    removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
+    assert all(len(hs) <= 3 for hs in removed)
+    assert [k for hs in removed for k in hs] == [key(i) for i in range(5)]
+
+
+def test_an_event_sink_that_fails_on_evictions_leaks_no_slot() -> None:
+    h = Harness(slots=8)
+    assert h.put(list(range(8))) == 8
+
+    def refuse(kind: EventKind, keys: list[bytes], namespace: bytes) -> None:
+        if kind is EventKind.REMOVED:
+            raise RuntimeError("event sink down")
+
+    h.store._on_event = refuse
+    with pytest.raises(RuntimeError):
+        h.store.put_start(NS, [key(100), key(101)], BLOCK)
+    h.store.check_invariants()  # the put's slots went back; the evicted blocks are gone
+    assert h.store.summary()["used_bytes"] == 6 * BLOCK
+
+
 def test_batch_limit() -> None:
     h = Harness(max_batch_blocks=3)
     with pytest.raises(InvalidArgument, match="split"):
