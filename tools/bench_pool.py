@@ -165,7 +165,7 @@ def bench_size(
     total = n * block_bytes
     src = base.private_src[:total].view(np.float16).reshape(n, *spec.block_shape)
     dst = base.private_dst[:total].view(np.float16).reshape(n, *spec.block_shape)
-    names: tuple[str, ...] = ("shm_read", "get_into", "huge_copy", "put", "shm_write", "put_full")
+    names: tuple[str, ...] = ("shm_read", "get_into", "huge_copy", "put", "shm_write", "put_full", "shm_write_full")
     names += ("put_pipelined", "put_mprotect") if put_ab else ()
     times: dict[str, list[float]] = {k: [] for k in names}
     with (
@@ -199,7 +199,7 @@ def bench_size(
         for batch in fresh[:2]:
             assert client.put(batch, src).stored == n
         for batch in fresh[2:]:
-            times["shm_write"].append(timed(base.shm_write))
+            times["shm_write_full"].append(timed(base.shm_write))
             times["put_full"].append(timed_put(client, batch, src, remove_first=False))
         client.remove(hashes)
         for batch in fresh:
@@ -211,7 +211,7 @@ def bench_size(
     row["get_into_x_shm"] = med["shm_read"] / med["get_into"]
     row["get_into_x_huge"] = med["huge_copy"] / med["get_into"]
     row["put_x_shm"] = med["shm_write"] / med["put"]
-    row["put_full_x_shm"] = med["shm_write"] / med["put_full"]
+    row["put_full_x_shm"] = med["shm_write_full"] / med["put_full"]  # the copies timed beside them
     if put_ab:
         row["put_pipelined_x_shm"] = med["shm_write"] / med["put_pipelined"]
         row["put_mprotect_x_shm"] = med["shm_write"] / med["put_mprotect"]

@@ -36,13 +36,18 @@ from kvpool.transport.wire import send_gathered
 ROW = "loopback tcp bound"
 
 
+def pattern(nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes that differ from one 8-byte word to the next (a misplaced piece shows)."""
+    return np.arange(-(-nbytes // 8), dtype=np.uint64).view(np.uint8)[:nbytes]
+
+
 def _sender(port: int, block_bytes: int, blocks: int) -> None:
     """Connect to the reader; send the whole batch for every request byte it sends, until EOF."""
     nbytes = block_bytes * blocks
     fd = os.memfd_create("kvpool-bench-tcp-bound")
     os.ftruncate(fd, nbytes)
     arena = mmap.mmap(fd, nbytes)
-    np.frombuffer(arena, dtype=np.uint8)[:] = np.arange(nbytes, dtype=np.uint64).view(np.uint8)[:nbytes]
+    np.frombuffer(arena, dtype=np.uint8)[:] = pattern(nbytes)
     view = memoryview(arena)
     rows = [view[i * block_bytes : (i + 1) * block_bytes] for i in range(blocks)]
     with socket.create_connection(("127.0.0.1", port)) as conn:
@@ -78,7 +83,7 @@ def tcp_bound_batch(block_bytes: int, blocks: int) -> Iterator[tuple[Callable[[]
             got += n
 
     def check() -> None:
-        assert np.array_equal(out, np.arange(nbytes, dtype=np.uint64).view(np.uint8)[:nbytes])
+        assert np.array_equal(out, pattern(nbytes))
 
     try:
         yield receive, check
