@@ -293,9 +293,14 @@ class HostStore:
             self._protected = {key_list[i] for i in present}
             try:
                 need = len(wanted) * block_bytes
+                owner = self._owner_of.get(namespace, 0)
                 if self.config.namespace_quota_bytes or namespace in self._tenant_of:
+                    # the arena's room first: the quota pass evicts, and a put that then found no
+                    # room in the arena would have cost those blocks for nothing
+                    if self._alloc.free_slots_for(block_bytes, owner) < len(wanted):
+                        check_can_fit(self, len(wanted), block_bytes, owner)
                     self._make_quota_room(namespace, need)
-                offsets = self._allocate(len(wanted), block_bytes, now, self._owner_of.get(namespace, 0))
+                offsets = self._allocate(len(wanted), block_bytes, now, owner)
             finally:
                 self._protected = set()
                 self._report_evicted()  # those of a failed quota pass (_allocate reports its own)
@@ -781,7 +786,13 @@ class HostStore:
         over = used + need - quota
         if quota == 0 or over <= 0:
             return
-        evictable = sum(e.size for k, e in self._index.items() if member(e.namespace) and self._evictable(k))
+        evictable = 0  # counted until it covers ``over``: a tenant at its quota puts this way every time
+        if need <= quota:
+            for key, entry in self._index.items():
+                if member(entry.namespace) and self._evictable(key):
+                    evictable += entry.size
+                    if evictable >= over:
+                        break
         if need > quota or evictable < over:
             raise CapacityExhausted(
                 f"{whose} holds {used} bytes; {need} more would pass its quota of {quota} bytes and only "
