@@ -1,7 +1,8 @@
-"""How the host store makes room for a put in an owner's segments (``HostStore._allocate``):
-whether any choice of evictions can give it the slots (checked before anything is evicted,
-so a put that must fail costs no stored block), and emptying one whole segment of another
-owner when it has nothing of its own to evict (per-tenant arenas, docs/security.md). Kept
+"""How the host store makes room for a put: under its namespace's or tenant's quota
+(``make_quota_room``), and in an owner's segments (``HostStore._allocate``): whether any
+choice of evictions can give it the slots (checked before anything is evicted, so a put that
+must fail costs no stored block), and emptying one whole segment of another owner when it
+has nothing of its own to evict (per-tenant arenas, docs/security.md). Kept
 beside the store (it reads the store's private state) so the store's own module stays
 about its operations; called with the store's lock held."""
 
@@ -104,3 +105,46 @@ def check_can_fit(store: HostStore, count: int, block_bytes: int, owner: int = 0
             "such slots (the rest is leased, pinned or in flight); nothing was evicted",
             hint="raise --capacity-bytes, release leases and pins, or put fewer blocks at once",
         )
+
+
+def make_quota_room(store: HostStore, namespace: bytes, need: int) -> None:
+    """Evict blocks of ``namespace``, or of every namespace of its tenant where the tenant
+    has its own quota, until ``need`` more bytes fit that quota; raise CapacityExhausted
+    before evicting anything if they cannot. The put's caller has checked the arena's room
+    first (``check_can_fit``): the evictions here must not be for a put that then fails."""
+    tenant = store._tenant_of.get(namespace)
+    if tenant is not None:
+        name, quota = tenant
+        used, whose = store._tenant_bytes.get(name, 0), f"tenant {name!r}"
+        tenant_of = store._tenant_of
+
+        def member(ns: bytes) -> bool:
+            owner = tenant_of.get(ns)
+            return owner is not None and owner[0] == name
+    else:
+        quota, used = store.config.namespace_quota_bytes, store._ns_bytes.get(namespace, 0)
+        whose = f"namespace {namespace.hex()[:32]}"
+
+        def member(ns: bytes) -> bool:
+            return ns == namespace
+
+    over = used + need - quota
+    if quota == 0 or over <= 0:
+        return
+    evictable = 0  # counted until it covers ``over``: a tenant at its quota puts this way every time
+    if need <= quota:
+        for key, entry in store._index.items():
+            if member(entry.namespace) and store._evictable(key):
+                evictable += entry.size
+                if evictable >= over:
+                    break
+    if need > quota or evictable < over:
+        raise CapacityExhausted(
+            f"{whose} holds {used} bytes; {need} more would pass its quota of {quota} bytes and only "
+            f"{evictable} of its bytes can be evicted (the rest is leased, pinned or being written); "
+            "nothing was evicted",
+            hint="release leases and pins, put fewer blocks at once, or raise the quota "
+            "(--namespace-quota-bytes, or the tenant's quota_bytes in the credentials file)",
+        )
+    while store._quota_used(namespace) + need > quota and store._evict_one(member):
+        pass

@@ -35,7 +35,7 @@ Guarantees (checked by tests/property/test_store_*):
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena. Its records and results are in ``host_types.py``, its
 debug checks in ``host_checks.py``, the room-making rules in ``host_room.py``; what stays
-here (~750 lines) is the one state machine under the one lock, kept whole on purpose: every
+here (~800 lines) is the one state machine under the one lock, kept whole on purpose: every
 transition above is a method whose lock scope can be read in one place.
 """
 
@@ -60,7 +60,7 @@ from kvpool.core.keys import BlockKeys
 from kvpool.storage.allocator import NewOwnerHook, SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, LRUPolicy
 from kvpool.storage.host_checks import check_host_store
-from kvpool.storage.host_room import check_can_fit, evict_segment
+from kvpool.storage.host_room import check_can_fit, evict_segment, make_quota_room
 from kvpool.storage.host_types import (
     BlockLocation,
     CommitResult,
@@ -299,7 +299,7 @@ class HostStore:
                     # room in the arena would have cost those blocks for nothing
                     if self._alloc.free_slots_for(block_bytes, owner) < len(wanted):
                         check_can_fit(self, len(wanted), block_bytes, owner)
-                    self._make_quota_room(namespace, need)
+                    make_quota_room(self, namespace, need)
                 offsets = self._allocate(len(wanted), block_bytes, now, owner)
             finally:
                 self._protected = set()
@@ -762,47 +762,6 @@ class HostStore:
         tenant = self._tenant_of.get(namespace)
         if tenant is not None:
             _bump(self._tenant_bytes, tenant[0], delta)
-
-    def _make_quota_room(self, namespace: bytes, need: int) -> None:
-        """Evict blocks of ``namespace``, or of every namespace of its tenant where the tenant
-        has its own quota, until ``need`` more bytes fit that quota; raise CapacityExhausted
-        before evicting anything if they cannot (a scan of the index, only on this path)."""
-        tenant = self._tenant_of.get(namespace)
-        if tenant is not None:
-            name, quota = tenant
-            used, whose = self._tenant_bytes.get(name, 0), f"tenant {name!r}"
-            tenant_of = self._tenant_of
-
-            def member(ns: bytes) -> bool:
-                owner = tenant_of.get(ns)
-                return owner is not None and owner[0] == name
-        else:
-            quota, used = self.config.namespace_quota_bytes, self._ns_bytes.get(namespace, 0)
-            whose = f"namespace {namespace.hex()[:32]}"
-
-            def member(ns: bytes) -> bool:
-                return ns == namespace
-
-        over = used + need - quota
-        if quota == 0 or over <= 0:
-            return
-        evictable = 0  # counted until it covers ``over``: a tenant at its quota puts this way every time
-        if need <= quota:
-            for key, entry in self._index.items():
-                if member(entry.namespace) and self._evictable(key):
-                    evictable += entry.size
-                    if evictable >= over:
-                        break
-        if need > quota or evictable < over:
-            raise CapacityExhausted(
-                f"{whose} holds {used} bytes; {need} more would pass its quota of {quota} bytes and only "
-                f"{evictable} of its bytes can be evicted (the rest is leased, pinned or being written); "
-                "nothing was evicted",
-                hint="release leases and pins, put fewer blocks at once, or raise the quota "
-                "(--namespace-quota-bytes, or the tenant's quota_bytes in the credentials file)",
-            )
-        while self._quota_used(namespace) + need > quota and self._evict_one(member):
-            pass
 
     def _quota_used(self, namespace: bytes) -> int:
         tenant = self._tenant_of.get(namespace)
