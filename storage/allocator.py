@@ -137,32 +137,15 @@ class SlabAllocator:
         """Offset of a free slot for a block of ``block_bytes`` in a segment of ``owner``, or
         None if neither its segments nor a free segment have room for this class (the caller
         evicts and retries)."""
-        self.check_block_bytes(block_bytes)
-        slot_bytes = slot_size_for(block_bytes)
-        cls = self._classes.get((owner, slot_bytes))
-        if cls is None:
-            cls = _SizeClass(slot_bytes, self.slab_bytes // slot_bytes)
-            self._classes[(owner, slot_bytes)] = cls
-        if not cls.partial.items:
-            slab = self._take_slab(owner)
-            if slab is None:
-                return None
-            self._slab_class[slab] = slot_bytes
-            self._slab_free_slots[slab] = list(range(cls.slots_per_slab - 1, -1, -1))
-            cls.partial.add(slab)
-        slab = cls.partial.items[-1]
-        slot = self._slab_free_slots[slab].pop()
-        self._slab_used[slab] += 1
-        if not self._slab_free_slots[slab]:
-            cls.partial.remove(slab)
-        self.used_bytes += slot_bytes
-        return slab * self.slab_bytes + slot * slot_bytes
+        got = self.alloc_many(block_bytes, 1, owner)
+        return got[0] if got else None
 
     def alloc_many(self, block_bytes: int, count: int, owner: int = 0) -> list[int]:
-        """The offsets ``count`` calls of ``alloc`` would give, leaving the same state, in
-        ascending order within each slab (fewer where room ran out: the caller evicts and
-        asks again). Why: a put of 16,384 small blocks spent ~1 us a block in ``alloc``'s
-        Python; here a slab's free slots are taken as one slice and their offsets computed in
+        """Offsets of ``count`` free slots for blocks of ``block_bytes`` in segments of
+        ``owner``: the slots a loop of single allocations would take, leaving the same state,
+        in ascending order within each slab (fewer where room ran out: the caller evicts and
+        asks again). Why: a put of 16,384 small blocks spent ~1 us a block allocating one at a
+        time; here a slab's free slots are taken as one slice and their offsets computed in
         one numpy pass."""
         self.check_block_bytes(block_bytes)
         if count <= 0:

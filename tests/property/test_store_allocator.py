@@ -108,9 +108,10 @@ BATCH_OPS = st.lists(
 @settings(max_examples=120, deadline=None)
 @given(ops=BATCH_OPS, segment_slabs=st.sampled_from([0, 1, 2, 3]))
 def test_alloc_many_gives_what_that_many_allocs_give(ops: list[tuple[str, int, int, int]], segment_slabs: int) -> None:
-    """``alloc_many`` is a faster ``alloc`` in a loop: the same offsets (lowest first within
-    a slab) and the same state after, with owners and segments, across slab boundaries, up
-    to running out."""
+    """A batch of ``count`` slots is what ``count`` single allocations give (``alloc`` takes
+    one slot at a time, the path a full pool's put uses): the same offsets (lowest first
+    within a slab) and the same state after, with owners and segments, across slab
+    boundaries, up to running out."""
     capacity = NUM_SLABS * SLAB_BYTES
     batched = SlabAllocator(capacity, SLAB_BYTES, segment_slabs * SLAB_BYTES)
     single = SlabAllocator(capacity, SLAB_BYTES, segment_slabs * SLAB_BYTES)
