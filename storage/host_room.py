@@ -61,14 +61,16 @@ def check_can_fit(store: HostStore, count: int, block_bytes: int, owner: int = 0
     Counted per slab, because slabs are per size class: evicting a block frees a slot of
     its own class, and frees room for another class only when its whole slab empties; a
     slab of another owner helps only when its whole segment empties.
-    A scan of the index, only on this path (eviction is needed to fit), which in a full pool
-    is every put: it stops as soon as enough evictable blocks of this size and owner are
-    seen (each frees a usable slot), so a put in a full pool of a million blocks looks at
-    about as many blocks as it must evict, not at all of them.
+    Free slots enough: nothing to check. Otherwise a scan of the index (in a full pool, every
+    put): it stops as soon as enough evictable blocks of this size and owner are seen (each
+    frees a usable slot), so a put in a full pool of a million blocks looks at about as many
+    blocks as it must evict, not at all of them.
     """
     slot_bytes = slot_size_for(block_bytes)
     alloc = store._alloc
     free_now = alloc.free_slots_for(block_bytes, owner)
+    if free_now >= count:
+        return
     same_class = 0  # evictable blocks in this owner's slabs of this size class
     evictable_per_slab: dict[int, int] = {}
     for key, entry in store._index.items():

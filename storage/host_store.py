@@ -297,8 +297,7 @@ class HostStore:
                 if self.config.namespace_quota_bytes or namespace in self._tenant_of:
                     # the arena's room first: the quota pass evicts, and a put that then found no
                     # room in the arena would have cost those blocks for nothing
-                    if self._alloc.free_slots_for(block_bytes, owner) < len(wanted):
-                        check_can_fit(self, len(wanted), block_bytes, owner)
+                    check_can_fit(self, len(wanted), block_bytes, owner)
                     make_quota_room(self, namespace, need)
                 offsets = self._allocate(len(wanted), block_bytes, now, owner)
             finally:
@@ -716,8 +715,7 @@ class HostStore:
         need = count * slot_size_for(block_bytes)
         capacity = self._alloc.capacity_bytes
         mine = self._owned_by(owner)
-        if self._alloc.free_slots_for(block_bytes, owner) < count:
-            check_can_fit(self, count, block_bytes, owner)
+        check_can_fit(self, count, block_bytes, owner)
         # the watermarks keep headroom in a shared arena; with owners (per-tenant segments)
         # only the owner's own blocks could be evicted here, which would chase an arena-wide
         # target through one tenant's cache: there, room is made only on demand (below)
