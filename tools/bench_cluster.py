@@ -58,7 +58,7 @@ from kvpool.transport.base import ReadItem  # noqa: E402
 from kvpool.transport.factory import make_transport, nixl_available, ucx_available  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pool import reserved_huge_pages  # noqa: E402
+from bench_pool import LOOKUP_PACE_MS, reserved_huge_pages  # noqa: E402
 from bench_tcp_bound import ROW as TCP_BOUND  # noqa: E402
 from bench_tcp_bound import tcp_bound_batch  # noqa: E402
 
@@ -78,9 +78,6 @@ def spec_for(block_kib: int) -> KVSpec:
         block_tokens=block_kib // TOKEN_KIB,
     )
 
-
-#: the gap between the timed lookups of a "paced" run (bench_pool.py times its lookups the same way)
-LOOKUP_PACE_S = 0.020
 
 Batch = Callable[[], None]  # moves one batch into the reader's buffer; asserts it all arrived
 
@@ -368,9 +365,9 @@ def bench_lookup(cluster: LocalCluster, directory: str, node_addrs: list[str], s
         holders = {h.node_id for hs in c.locate(hashes)[0] for h in hs}
         assert holders == {"node-a", "node-b", "node-c"}, holders
         back_to_back = interleaved({"lookup": lambda: c.locate(hashes) and None}, samples, 20)["lookup"]
-        paced = []  # one every 20 ms: back to back, the directory's per-tenant call rate sets the pace
+        paced = []  # as bench_pool.py paces its lookups: back to back, the per-tenant call rate sets the pace
         for _ in range(samples):
-            time.sleep(LOOKUP_PACE_S)
+            time.sleep(LOOKUP_PACE_MS / 1e3)
             t0 = time.perf_counter()
             c.locate(hashes)
             paced.append(time.perf_counter() - t0)
