@@ -30,6 +30,7 @@ from collections.abc import Callable
 from kvpool.core.auth import ANONYMOUS, ArenaOwners, Credentials
 from kvpool.core.errors import InvalidArgument, PermissionDenied
 from kvpool.core.supervisor import Supervisor
+from kvpool.core.unix_path import socket_address
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.storage.arena import SharedArena, _pid_alive
 from kvpool.storage.arena_segments import SegmentedArena
@@ -39,6 +40,25 @@ log = logging.getLogger("kvpool.arena_handoff")
 
 CONNECTION_DEADLINE_S = 2.0
 REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+def listen_unix(path: str, mode: int, backlog: int = 64) -> socket.socket:
+    """A listening Unix socket at ``path`` whose file is created 0600 (no moment in which
+    another uid could connect), then given ``mode`` (``--arena-socket-mode``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        with socket_address(path) as address:
+            sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    if mode != 0o600:
+        os.chmod(path, mode)
+    sock.listen(backlog)
+    return sock
 
 
 class ArenaHandoff:
@@ -78,16 +98,7 @@ class ArenaHandoff:
 
     def start(self, supervisor: Supervisor) -> None:
         self.reap_stale(str(pathlib.Path(self.path).parent))
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket file is created 0600: no other uid can connect
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old_umask)
-        if self._socket_mode != 0o600:
-            os.chmod(self.path, self._socket_mode)
-        sock.listen(64)
-        self._sock = sock
+        self._sock = listen_unix(self.path, self._socket_mode)
         supervisor.spawn("arena-handoff", self._accept_loop)
 
     def stop(self) -> None:

@@ -25,6 +25,7 @@ import socket
 
 from kvpool.core.auth import MAX_TOKEN_BYTES
 from kvpool.core.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvpool.core.unix_path import socket_address
 
 MAGIC = b"KVPA2"
 #: the most segments an arena may have (a bound on the number a client sends)
@@ -82,7 +83,8 @@ def receive_arena_segment(socket_path: str, mode: str, put_id: int, segment: int
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(HANDOFF_TIMEOUT_S)
     try:
-        sock.connect(socket_path)
+        with socket_address(socket_path) as address:
+            sock.connect(address)
         sock.sendall(request)
         data, fds, _flags, _addr = socket.recv_fds(sock, 1 + MAX_REASON_BYTES, 1)
     except OSError as exc:
