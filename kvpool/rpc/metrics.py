@@ -78,13 +78,17 @@ class RpcMetrics:
             "kvpool_rpc_in_flight", "gRPC calls being handled now, by service.", ("service",), registry=registry
         )
         self._in_flight = self.in_flight.labels(service)
-        self._children: dict[tuple[str, str], Any] = {}  # (method, code) -> histogram child (bounded labels)
+        self._children: dict[tuple[str, str, str], Any] = {}  # (service, method, code) -> child (bounded labels)
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return _TimingInterceptor(self)
 
-    def timed(self, method: str, inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
-        """``inner`` wrapped so that each call is observed under ``method``."""
+    def timed(
+        self, method: str, inner: Callable[[Any, grpc.ServicerContext], Any], service: str = ""
+    ) -> Callable[..., Any]:
+        """``inner`` wrapped so that each call is observed under ``method`` (and ``service``,
+        default this one's: the daemon's same-host socket reports as ``pool-local``)."""
+        service = service or self.service
 
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             started = time.perf_counter()
@@ -99,9 +103,9 @@ class RpcMetrics:
                 self._in_flight.dec()
                 if code == "OK":
                     code = _status_name(context, default="OK")
-                child = self._children.get((method, code))
+                child = self._children.get((service, method, code))
                 if child is None:
-                    child = self._children[(method, code)] = self.duration.labels(self.service, method, code)
+                    child = self._children[(service, method, code)] = self.duration.labels(service, method, code)
                 child.observe(time.perf_counter() - started)
 
         return call

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -71,27 +72,47 @@ def _stream(impl: Callable[..., Iterator[Any]], request_cls: Any, method: str, l
     return handler
 
 
-def add_typed_service(
-    server: grpc.Server, servicer: object, module: ModuleType, service: str, max_request_bytes: int
-) -> None:
-    """Serve ``servicer``'s methods for ``service`` of the generated ``module`` (e.g.
-    ``pool_pb2``, "Pool"), decoding each request with ``decode_request``."""
+@dataclass(frozen=True)
+class TypedMethod:
+    """One method of a service: ``handler(raw request bytes, context)`` decodes the request
+    (``decode_request``) and runs the servicer's method; ``reply_cls`` is its reply type."""
+
+    name: str
+    handler: Callable[..., Any]
+    reply_cls: Any
+    server_streaming: bool
+
+
+def typed_methods(servicer: object, module: ModuleType, service: str, max_request_bytes: int) -> dict[str, TypedMethod]:
+    """``servicer``'s methods for ``service`` of the generated ``module`` (e.g. ``pool_pb2``,
+    "Pool"), by name: what gRPC serves (``add_typed_service``) and what the daemon's
+    same-host socket serves (``kvpool.daemon.local_calls``), so both run the same code."""
     descriptor = module.DESCRIPTOR.services_by_name[service]
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    methods: dict[str, TypedMethod] = {}
     for method in descriptor.methods:
         if method.client_streaming:
             raise InvalidArgument(f"{service}.{method.name}: client streaming is not supported here")
         request_cls = getattr(module, method.input_type.name)
-        reply_cls = getattr(module, method.output_type.name)
         impl = getattr(servicer, method.name)
-        if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _stream(impl, request_cls, method.name, max_request_bytes),
-                response_serializer=reply_cls.SerializeToString,
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(impl, request_cls, method.name, max_request_bytes),
-                response_serializer=reply_cls.SerializeToString,
-            )
+        wrap = _stream if method.server_streaming else _unary
+        methods[method.name] = TypedMethod(
+            method.name,
+            wrap(impl, request_cls, method.name, max_request_bytes),
+            getattr(module, method.output_type.name),
+            method.server_streaming,
+        )
+    return methods
+
+
+def add_typed_service(
+    server: grpc.Server, servicer: object, module: ModuleType, service: str, max_request_bytes: int
+) -> dict[str, TypedMethod]:
+    """Serve ``typed_methods(...)`` on ``server``; returns them."""
+    methods = typed_methods(servicer, module, service, max_request_bytes)
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, method in methods.items():
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(method.handler, response_serializer=method.reply_cls.SerializeToString)
+    descriptor = module.DESCRIPTOR.services_by_name[service]
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+    return methods
