@@ -42,6 +42,7 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
+from kvpool.rpc.local_call import LocalCallClosed, LocalChannel
 from kvpool.transport.arena_handoff import receive_arena_fd, receive_arena_segment
 
 log = logging.getLogger("kvpool.client")
@@ -74,6 +75,12 @@ class PutResult:
 def is_tenant_busy(exc: grpc.RpcError, address: str) -> bool:
     """Whether a failed call was refused TENANT_BUSY (nothing done; retry after a backoff)."""
     return isinstance(from_rpc_error(exc, address), TenantBusy)
+
+
+#: each Pool method's reply type, by name (what a local call's reply decodes as)
+REPLY_TYPES: dict[str, Any] = {
+    m.name: getattr(pool_pb2, m.output_type.name) for m in pool_pb2.DESCRIPTOR.services_by_name["Pool"].methods
+}
 
 
 def hello_request(namespace: Namespace) -> pool_pb2.HelloRequest:
@@ -193,14 +200,14 @@ class StagedPut:
             return put_result(self._start, None)
         self._done = True
         request = pool_pb2.PutCommitRequest(put_id=self._start.put_id, checksums=self._checksums)
-        return put_result(self._start, self._client._rpc(self._client._stub.PutCommit, request))
+        return put_result(self._start, self._client._rpc("PutCommit", request))
 
     def abort(self) -> None:
         """Drop the written blocks (nothing becomes visible)."""
         if self._done:
             return
         self._done = True
-        self._client._rpc(self._client._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=self._start.put_id))
+        self._client._rpc("PutAbort", pool_pb2.PutAbortRequest(put_id=self._start.put_id))
 
 
 class PoolClient:
@@ -213,10 +220,12 @@ class PoolClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         token: str = "",
         tls_root_certs: bytes | None = None,
+        local_calls: bool = True,
     ) -> None:
         """Prefer ``PoolClient.connect``, which also says hello (registers the namespace) and maps the arena.
         ``timeout_s`` bounds each control call; ``token`` is the bearer credential; ``tls_root_certs`` (PEM)
-        opens a TLS channel.
+        opens a TLS channel; ``local_calls``: send control calls over the daemon's same-host socket
+        when it offers one (``kvpool.rpc.local_call``; gRPC otherwise, and Hello always).
         """
         self.address = address
         self.namespace = namespace
@@ -227,6 +236,8 @@ class PoolClient:
         self._metadata = call_metadata(token)
         self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._use_local = local_calls
+        self._local: LocalChannel | None = None  # opened after Hello when the daemon offers it
         self._admin = PoolAdmin(address, timeout_s, self._channel, namespace=self._ns_digest, token=token)
         self._arena: ArenaMapping | None = None  # mapped read-only; puts write through windows
         self._pending_releases: list[int] = []
@@ -246,10 +257,11 @@ class PoolClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         token: str = "",
         tls_root_certs: bytes | None = None,
+        local_calls: bool = True,
     ) -> PoolClient:
         """Connect to the daemon at ``address``, register the namespace, map the arena.
         ``token``: the credential the daemon's operator issued (none on the loopback default)."""
-        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs)
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs, local_calls)
         try:
             client._hello()
         except BaseException:
@@ -264,22 +276,66 @@ class PoolClient:
         self.close()
 
     # -- plumbing ------------------------------------------------------------------------
-    def _rpc(self, method: Callable[..., T], request: Any) -> T:
+    def _rpc(self, method: str, request: Any) -> Any:
+        """``method`` (a Pool method's name) with ``request``; a call refused TENANT_BUSY
+        (nothing done) is sent again after a backoff."""
         for attempt in range(BUSY_RETRIES + 1):
             try:
-                return method(request, timeout=self.timeout_s, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                # no local names the raised error: a frame <-> traceback cycle would keep this
-                # client (and its channel) alive after its owner dropped it
-                if attempt == BUSY_RETRIES or not is_tenant_busy(exc, self.address):
-                    raise from_rpc_error(exc, self.address) from None
+                return self._call(method, request)
+            except TenantBusy:
+                if attempt == BUSY_RETRIES:
+                    raise
             time.sleep(BUSY_BACKOFF_S * 2**attempt)  # the node did nothing: the same call is safe again
         raise AssertionError("unreachable")
 
+    def _call(self, method: str, request: Any) -> Any:
+        """One call: over the local socket when open, else (or when it broke before the
+        request left) over gRPC; raises the typed error."""
+        local = self._local
+        if local is not None:
+            try:
+                return local.call(method, request, REPLY_TYPES[method], MAX_MESSAGE_BYTES)
+            except LocalCallClosed as err:
+                self._drop_local(local, err.message)
+                if err.sent:  # the node may have run it: not safe to send again
+                    raise
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            # no local names the raised error: a frame <-> traceback cycle would keep this
+            # client (and its channel) alive after its owner dropped it
+            raise from_rpc_error(exc, self.address) from None
+
+    def _open_local(self, reply: pool_pb2.HelloReply) -> None:
+        """Open the daemon's local-call socket if it offers one (after each Hello: a restarted
+        daemon has a new one); if it cannot be opened, calls go through gRPC."""
+        old, self._local = self._local, None
+        if old is not None:
+            old.close()
+        if not (self._use_local and reply.local_socket):
+            return
+        try:
+            self._local = LocalChannel.open(reply.local_socket, self._token, reply.node_id, self.timeout_s)
+        except KVPoolError as err:
+            log.info("control calls to %s go through gRPC: %s", self.address, err.message)
+
+    def _drop_local_quietly(self) -> None:
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
+
+    def _drop_local(self, local: LocalChannel, why: str) -> None:
+        if self._local is local:
+            self._local = None
+            log.warning("local calls to %s stopped (%s): using gRPC until the next hello", self.address, why)
+        local.close()
+
     def _hello(self) -> None:
         with self._hello_lock:  # two threads re-registering at once must not both map the arena
-            reply = self._rpc(self._stub.Hello, hello_request(self.namespace))
+            self._drop_local_quietly()
+            reply = self._rpc("Hello", hello_request(self.namespace))  # always gRPC: it names the socket
             self._arena = attach_arena(self._arena, reply, self.spec, self._token)
+            self._open_local(reply)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
         #: this client's ticket for the node's data plane (``kvpool.client.tickets``; reads over TCP/UCX)
@@ -341,7 +397,7 @@ class PoolClient:
         """How many leading blocks of ``hashes`` the pool holds now."""
         if not hashes:
             return 0
-        reply = self._with_namespace(lambda: self._rpc(self._stub.Lookup, self._hashes_request(hashes)))
+        reply = self._with_namespace(lambda: self._rpc("Lookup", self._hashes_request(hashes)))
         return int(reply.hits)
 
     def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
@@ -377,14 +433,14 @@ class PoolClient:
     ) -> StagedPut:
         """``own_copy``: ``write`` is ``write_rows`` (this thread copies every byte itself),
         not an engine's ``fill``, which may write from threads of its own."""
-        start = self._with_namespace(lambda: self._rpc(self._stub.PutStart, self._hashes_request(hashes)))
+        start = self._with_namespace(lambda: self._rpc("PutStart", self._hashes_request(hashes)))
         if start.put_id == 0:
             return StagedPut(self, start, [])
         try:
             with self._put_window(start, own_copy) as window:
                 checksums = write(window, start)
         except BaseException:
-            self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
+            self._rpc("PutAbort", pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise
         return StagedPut(self, start, checksums)
 
@@ -431,7 +487,7 @@ class PoolClient:
         daemon's own count) is all misses (``read_with``: its bytes were verified before the
         reader used them)."""
         started = time.monotonic()
-        reply = self._with_namespace(lambda: self._rpc(self._stub.Lease, self._hashes_request(hashes)))
+        reply = self._with_namespace(lambda: self._rpc("Lease", self._hashes_request(hashes)))
         if reply.lease_id == 0:
             return 0
         try:
@@ -468,7 +524,7 @@ class PoolClient:
         fresh bytes instead of being told ``already_present``. Returns how many it dropped;
         never raises (a failed report leaves the block to the next reader's report)."""
         try:
-            reply = self._with_namespace(lambda: self._rpc(self._stub.ReportCorrupt, self._hashes_request(hashes)))
+            reply = self._with_namespace(lambda: self._rpc("ReportCorrupt", self._hashes_request(hashes)))
         except KVPoolError as err:
             log.warning("could not report %d corrupt blocks to %s: %s", len(hashes), self.address, err)
             return 0
@@ -486,7 +542,7 @@ class PoolClient:
         """
         if not hashes:
             return 0
-        reply = self._with_namespace(lambda: self._rpc(self._stub.Remove, self._hashes_request(hashes)))
+        reply = self._with_namespace(lambda: self._rpc("Remove", self._hashes_request(hashes)))
         return int(reply.removed)
 
     def pin(self, hashes: Sequence[bytes], ttl_ms: int | None = None) -> int:
@@ -494,14 +550,14 @@ class PoolClient:
         request = pool_pb2.PinRequest(
             namespace=self._ns_digest, hashes=pack_hashes(hashes), hard=ttl_ms is None, ttl_ms=ttl_ms or 0
         )
-        return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
+        return int(self._with_namespace(lambda: self._rpc("Pin", request)).changed)
 
     def unpin(self, hashes: Sequence[bytes]) -> int:
         """Drop the soft and hard pins of these blocks, so the eviction policy may take them again. Returns how
         many changed.
         """
         request = pool_pb2.PinRequest(namespace=self._ns_digest, hashes=pack_hashes(hashes), unpin=True)
-        return int(self._with_namespace(lambda: self._rpc(self._stub.Pin, request)).changed)
+        return int(self._with_namespace(lambda: self._rpc("Pin", request)).changed)
 
     def stats(self) -> dict[str, Any]:
         """The node's counters (see ``kvpool inspect stats``); ``namespaces`` lists this
@@ -524,7 +580,7 @@ class PoolClient:
         """
         lease_ids = self._take_releases()
         if lease_ids:
-            self._rpc(self._stub.Release, pool_pb2.ReleaseRequest(lease_ids=lease_ids))
+            self._rpc("Release", pool_pb2.ReleaseRequest(lease_ids=lease_ids))
 
     def close(self) -> None:
         """Release pending leases, unmap the arena, close the channel. Idempotent; the context manager calls it."""
@@ -535,6 +591,7 @@ class PoolClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        self._drop_local_quietly()
         self._channel.close()
 
     def _release_later(self, lease_id: int) -> None:

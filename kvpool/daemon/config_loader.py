@@ -56,6 +56,11 @@ def parse_switch(text: str | bool) -> bool:
     raise InvalidArgument(f"{text!r} is not a yes/no value", hint="write true or false (1/0, yes/no, on/off)")
 
 
+def parse_on_off(text: str | bool) -> bool:
+    """A yes/no option that is on by default, so its flag takes a value (``--local-calls off``)."""
+    return parse_switch(text)
+
+
 def parse_octal(text: str | int) -> int:
     """A file mode: '600', '0660', '0o666' (or an int from TOML)."""
     if isinstance(text, int):
@@ -328,8 +333,16 @@ OPTIONS: list[Option] = [
         "--arena-socket-mode",
         "arena_socket_mode",
         parse_octal,
-        "file mode (octal) of the arena hand-off socket: 600 admits clients of the daemon's uid only; "
-        "660 or 666 admits other uids (each still needs a token).",
+        "file mode (octal) of the arena hand-off and local-call sockets: 600 admits clients of the "
+        "daemon's uid only; 660 or 666 admits other uids (each still needs a token).",
+    ),
+    Option(
+        "--local-calls",
+        "local_calls",
+        parse_on_off,
+        "also answer same-host clients' control calls (lookup, lease, put) over a Unix socket in "
+        "--arena-dir: the same handlers, token and tenant limits as gRPC at about a tenth of its "
+        "latency; clients that cannot reach it use gRPC: 'on' or 'off'. See docs/security.md.",
     ),
     Option(
         "--protect-process",

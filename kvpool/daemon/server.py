@@ -23,6 +23,7 @@ from kvpool.core.errors import Unavailable
 from kvpool.core.supervisor import Supervisor
 from kvpool.core.tickets import TicketIssuer, new_secret
 from kvpool.daemon.arena_handoff import ArenaHandoff
+from kvpool.daemon.local_calls import LocalCallServer, local_socket_path
 from kvpool.daemon.metrics import NodeCollector
 from kvpool.daemon.node import PoolNode
 from kvpool.daemon.service import PoolService, max_request_bytes
@@ -97,14 +98,28 @@ class PoolServer:
             options=server_options(config.max_message_bytes),
             interceptors=self.metrics.interceptors(bool(config.metrics_listen)),  # none without /metrics
         )
+        local_path = local_socket_path(config.arena_dir) if config.local_calls else ""
         service = PoolService(
             self.node,
             max_event_subscribers=max(1, config.grpc_workers // 2),
             credentials=self.credentials,
             arena_socket=self.handoff.path if self.handoff is not None else "",
+            local_socket=local_path,
         )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
-        add_typed_service(self._server, service, pool_pb2, "Pool", limit)
+        methods = add_typed_service(self._server, service, pool_pb2, "Pool", limit)
+        self.local: LocalCallServer | None = None
+        if local_path:
+            rpc = self.metrics.rpc
+            self.local = LocalCallServer(
+                methods,
+                local_path,
+                self.credentials,
+                self.node.node_id,
+                limit,
+                socket_mode=config.arena_socket_mode,
+                timer=(lambda name, h: rpc.timed(name, h, service="pool-local")) if config.metrics_listen else None,
+            )
         self._stopped = threading.Event()
         self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
 
@@ -129,6 +144,8 @@ class PoolServer:
             )
         if self.handoff is not None:
             self.handoff.start(self.supervisor)
+        if self.local is not None:
+            self.local.start(self.supervisor)
         try:
             self.metrics.serve(self.config.metrics_listen, self.supervisor.spawn)
         except BaseException:  # the metrics port is taken: shut down whole, then report
@@ -161,6 +178,8 @@ class PoolServer:
             self.cluster.stop()
         if self.handoff is not None:
             self.handoff.stop()  # before the supervisor joins its accept thread
+        if self.local is not None:
+            self.local.stop()  # likewise
         self.metrics.stop()  # ends its serve loop, which the supervisor joins
         self.supervisor.stop()
         self.node.events.close()

@@ -128,10 +128,13 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         max_event_subscribers: int = 4,
         credentials: Credentials | None = None,
         arena_socket: str = "",
+        local_socket: str = "",
     ) -> None:
-        """``arena_socket``: where clients get the arena (memfd hand-off), "" = by path."""
+        """``arena_socket``: where clients get the arena (memfd hand-off), "" = by path;
+        ``local_socket``: where same-host clients may send unary calls (kvpool.rpc.local_call), "" = none."""
         self.node = node
         self.arena_socket = arena_socket
+        self.local_socket = local_socket
         self.credentials = credentials
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
@@ -256,6 +259,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             protocol_version=PROTOCOL_VERSION,
             arena_path=self.node.arena.path,
             arena_socket=self.arena_socket,
+            local_socket=self.local_socket,
             arena_bytes=self.node.arena.capacity_bytes,
             lease_ttl_ms=cfg.lease_ttl_ms,
             max_batch_blocks=cfg.max_batch_blocks,
@@ -382,6 +386,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_path"] = self.node.arena.path
         summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
         summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
+        summary["local_socket"] = self.local_socket  # same-host calls (kvpool.rpc.local_call); "" = off
         # per-tenant arena (docs/security.md): its segments' size (0 = one piece), and how many
         # times a segment got fresh memory for a new owner
         summary["arena_segment_bytes"] = getattr(self.node.arena, "segment_bytes", 0)

@@ -45,7 +45,7 @@ SCRIBBLER = textwrap.dedent(
         fds.append(os.open(arena_path, os.O_RDWR))
     else:  # a client starts a put of its own, so the node hands it write descriptors
         b = PoolClient.connect(address, spec, salt=salt.encode(), token=token)
-        start = b._rpc(b._stub.PutStart, b._hashes_request(b.hashes(range(10**6, 10**6 + 16))))
+        start = b._rpc("PutStart", b._hashes_request(b.hashes(range(10**6, 10**6 + 16))))
         assert start.put_id != 0
         for seg in range(b._arena.num_segments):  # ask for every segment of the arena
             try:
@@ -170,7 +170,7 @@ def test_a_post_commit_overwrite_by_another_process_is_never_served(
             assert scribble(TOKEN_A, "salt-a")["scribbled"] > 0
         else:
             assert scribble(TOKEN_B, "salt-b")["scribbled"] == a._arena.capacity_bytes  # the file: all of it
-        lease = a._rpc(a._stub.Lease, a._hashes_request(hashes))
+        lease = a._rpc("Lease", a._hashes_request(hashes))
         a._arena.ensure(lease.offsets, lease.segment_generations)
         assert all((a.arena[off : off + SPEC.block_bytes] == 0xAB).all() for off in lease.offsets)  # really changed
         # the data plane serves nothing wrong: the reader checks the committed checksums

@@ -51,7 +51,7 @@ PROBE_B = textwrap.dedent(
     hashes = b.hashes(range(64))
     assert b.put(hashes, blocks.view(np.float16)).stored == 4
     own_ok = b.get(hashes).tobytes() == blocks.tobytes()
-    lease = b._rpc(b._stub.Lease, b._hashes_request(hashes))
+    lease = b._rpc("Lease", b._hashes_request(hashes))
     base = b.arena.ctypes.data
     seg_bytes = b._arena.segment_bytes
 
@@ -106,7 +106,7 @@ def segmented(daemon_factory: Any, tmp_path: Any) -> Any:
 
 
 def offsets_of(client: PoolClient, hashes: list[bytes]) -> list[int]:
-    lease = client._rpc(client._stub.Lease, client._hashes_request(hashes))
+    lease = client._rpc("Lease", client._hashes_request(hashes))
     client._release_later(int(lease.lease_id))
     return [int(o) for o in lease.offsets]
 
@@ -186,7 +186,7 @@ def test_a_tenant_cannot_ask_for_a_writable_segment_of_another(segmented: Any) -
         hashes = a.hashes(range(64))
         assert a.put(hashes, make_blocks(4, seed=44)).stored == 4
         (seg_a,) = {off // SEGMENT_BYTES for off in offsets_of(a, hashes)}
-        start = b._rpc(b._stub.PutStart, b._hashes_request(b.hashes(range(64))))
+        start = b._rpc("PutStart", b._hashes_request(b.hashes(range(64))))
         assert start.put_id != 0 and len(start.segment_generations) == len(start.offsets)
         with pytest.raises(PermissionDenied):  # B holds a put, but not of A's segment
             receive_arena_segment(b._arena.path, "w", start.put_id, seg_a, TOKEN_B)
@@ -194,4 +194,4 @@ def test_a_tenant_cannot_ask_for_a_writable_segment_of_another(segmented: Any) -
         fd, generation = receive_arena_segment(b._arena.path, "w", start.put_id, seg_b, TOKEN_B)
         os.close(fd)
         assert generation == start.segment_generations[0]
-        b._rpc(b._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
+        b._rpc("PutAbort", pool_pb2.PutAbortRequest(put_id=start.put_id))

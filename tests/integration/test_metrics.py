@@ -86,7 +86,8 @@ def test_daemon_metrics_count_what_the_client_did() -> None:
     assert value(m, "kvpool_event_seq") == s["last_event_seq"] >= 2  # stored, removed
     assert value(m, "kvpool_node_info", node_id=daemon.address, hash_scheme="kvpool-h1") == 1
     # latency histograms: every unary call the client made is one observation
-    assert value(m, "kvpool_rpc_duration_seconds_count", service="pool", method="PutStart", code="OK") == 2
+    # (a same-host client sends them over the daemon's local socket: service "pool-local"; Hello over gRPC)
+    assert value(m, "kvpool_rpc_duration_seconds_count", service="pool-local", method="PutStart", code="OK") == 2
     assert value(m, "kvpool_rpc_duration_seconds_count", service="pool", method="Hello", code="OK") == 1
     buckets = [v for (name, labels), v in m.items() if name == "kvpool_rpc_duration_seconds_bucket"
                and ("method", "PutStart") in labels]  # fmt: skip

@@ -204,12 +204,12 @@ def corrupt_block(daemon: DaemonHandle, client: PoolClient, block_hash: bytes) -
     from kvpool.proto import pool_pb2
 
     reply = client._rpc(  # lease it to learn its arena offset, then release
-        client._stub.Lease,
+        "Lease",
         pool_pb2.HashesRequest(namespace=client.namespace.digest(), hashes=pack_hashes([block_hash])),
     )
     assert reply.lease_id and len(reply.offsets) == 1
     writable_arena(client)[int(reply.offsets[0]) + 1000] ^= 0x5A  # a client maps it read-only
-    client._rpc(client._stub.Release, pool_pb2.ReleaseRequest(lease_ids=[reply.lease_id]))
+    client._rpc("Release", pool_pb2.ReleaseRequest(lease_ids=[reply.lease_id]))
 
 
 def test_control_prompt_changes_the_output(runs: dict[str, Any]) -> None:

@@ -1,0 +1,252 @@
+"""Same-host control calls over the daemon's Unix socket (``kvpool.rpc.local_call``) against
+real daemons: a client uses it when offered, gets the same answers and the same tenancy as
+over gRPC, goes back to gRPC when it breaks, and finds the new socket after a restart; a
+stranger's bytes on the socket cost the daemon nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import stat
+import struct
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import DaemonHandle, free_port, start_daemon
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_auth import SPEC, TOKEN_A, TOKEN_B, write_credentials
+
+from kvpool import PoolClient
+from kvpool.core.errors import PermissionDenied, Unavailable, UnknownNamespace
+from kvpool.proto import pool_pb2
+from kvpool.rpc.local_call import HELLO_MAGIC, LocalCallClosed, LocalChannel, pack_call, read_frame, send_frame
+
+TOKENS = list(range(7000, 7000 + 16 * 8))
+
+
+def make_blocks(n: int, seed: int) -> np.ndarray:
+    raw = np.random.default_rng(seed).integers(0, 2**16, size=(n, *SPEC.block_shape), dtype=np.uint16)
+    return raw.view(np.float16)
+
+
+def local_count(metrics_address: str, method: str, service: str = "pool-local") -> float:
+    """``kvpool_rpc_duration_seconds_count`` of ``method`` answered OK on ``service``."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    want = f'kvpool_rpc_duration_seconds_count{{code="OK",method="{method}",service="{service}"}}'
+    for line in text.splitlines():
+        if line.startswith(want):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_same_host_client_calls_over_the_local_socket() -> None:
+    metrics_address = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon("--metrics-listen", metrics_address)
+    try:
+        with PoolClient.connect(daemon.address, SPEC, salt=b"s") as client:
+            assert client._local is not None
+            path = client._local.path
+            assert pathlib.Path(path).parent == pathlib.Path(daemon.arena_dir)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # the daemon's uid only
+            hashes, blocks = client.hashes(TOKENS), make_blocks(8, seed=1)
+            assert client.put(hashes, blocks).stored == 8
+            assert client.lookup(hashes) == 8
+            assert client.get(hashes).tobytes() == blocks.tobytes()
+            assert client.pin(hashes[:2]) == 2
+            assert client.remove(hashes[6:]) == 2
+            assert client.lookup(hashes) == 6
+        # the calls went over the socket; Hello, which names it, over gRPC
+        assert local_count(metrics_address, "Lookup") == 2
+        assert local_count(metrics_address, "PutStart") == 1
+        assert local_count(metrics_address, "Lookup", service="pool") == 0
+        assert local_count(metrics_address, "Hello", service="pool") == 1
+    finally:
+        daemon.cleanup()
+    assert not pathlib.Path(path).exists()  # removed at stop
+
+
+def test_local_calls_off_serves_gRPC_only(daemon_factory: Any) -> None:
+    daemon = daemon_factory("--local-calls", "off")
+    with PoolClient.connect(daemon.address, SPEC, salt=b"s") as client:
+        assert client._local is None
+        hashes = client.hashes(TOKENS[:32])
+        assert client.put(hashes, make_blocks(2, seed=2)).stored == 2
+        assert client.lookup(hashes) == 2
+    assert not [p for p in os.listdir(daemon.arena_dir) if p.endswith(".sock")]
+
+
+def test_the_local_socket_keeps_tenants_apart(daemon_factory: Any, tmp_path: pathlib.Path) -> None:
+    daemon = daemon_factory("--credentials", write_credentials(str(tmp_path)))
+    with (
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a,
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-b", token=TOKEN_B) as b,
+    ):
+        assert a._local is not None and b._local is not None
+        hashes = a.hashes(TOKENS)
+        assert a.put(hashes, make_blocks(8, seed=3)).stored == 8
+        assert b.lookup(hashes) == 0 and b.remove(hashes) == 0  # B's namespace: none of A's blocks
+        # B naming A's namespace on the socket: refused, as over gRPC
+        request = pool_pb2.HashesRequest(namespace=a.namespace.digest(), hashes=b"".join(hashes))
+        with pytest.raises(PermissionDenied):
+            b._local.call("Lookup", request, pool_pb2.LookupReply, 1 << 20)
+        with pytest.raises(PermissionDenied):
+            b._local.call("Remove", request, pool_pb2.RemoveReply, 1 << 20)
+        assert a.lookup(hashes) == 8
+        # a connection without a known token is refused at its hello
+        for token in ("", "kvp_not-a-token", TOKEN_A + "x"):
+            with pytest.raises(Unavailable, match="unauthenticated"):
+                LocalChannel.open(a._local.path, token, a.node_id, 5.0)
+        assert a.lookup(hashes) == 8
+
+
+def test_a_killed_daemon_is_unavailable_and_a_restarted_one_found_again() -> None:
+    daemon = start_daemon()
+    try:
+        client = PoolClient.connect(daemon.address, SPEC, salt=b"s", timeout_s=5.0)
+        hashes = client.hashes(TOKENS[:64])
+        assert client.put(hashes, make_blocks(4, seed=4)).stored == 4
+        assert client._local is not None
+        old_path = client._local.path
+        daemon.kill()
+        with pytest.raises(Unavailable):
+            client.lookup(hashes)
+        assert client._local is None  # back to gRPC until the next hello
+        daemon = start_daemon(port=daemon.port)
+        deadline = time.monotonic() + 15  # gRPC's reconnect backoff after the refused call above
+        while True:
+            try:
+                assert client.lookup(hashes) == 0  # UnknownNamespace -> hello again -> the new socket
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert client._local is not None and client._local.path != old_path
+        assert client.put(hashes, make_blocks(4, seed=4)).stored == 4
+        assert client.lookup(hashes) == 4
+        client.close()
+    finally:
+        daemon.cleanup()
+
+
+def test_unknown_namespace_on_the_socket_is_typed(pool_daemon: DaemonHandle) -> None:
+    with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s") as client:
+        assert client._local is not None
+        request = pool_pb2.HashesRequest(namespace=b"\x01" * 16, hashes=b"\x02" * 16)
+        with pytest.raises(UnknownNamespace):
+            client._local.call("Lookup", request, pool_pb2.LookupReply, 1 << 20)
+
+
+def test_a_forked_child_does_not_use_its_parents_connections(pool_daemon: DaemonHandle) -> None:
+    with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s") as client:
+        hashes = client.hashes(TOKENS[:64])
+        assert client.put(hashes, make_blocks(4, seed=6)).stored == 4
+        local = client._local
+        assert local is not None
+        request = pool_pb2.HashesRequest(namespace=client.namespace.digest(), hashes=b"".join(hashes))
+        pid = os.fork()
+        if pid == 0:  # the child: refused before it touches a socket it shares with its parent
+            try:
+                local.call("Lookup", request, pool_pb2.LookupReply, 1 << 20)
+                os._exit(1)
+            except LocalCallClosed as err:
+                os._exit(0 if not err.sent else 2)
+            except BaseException:
+                os._exit(3)
+        for _ in range(20):  # the parent's calls meanwhile stay in step
+            assert local.call("Lookup", request, pool_pb2.LookupReply, 1 << 20).hits == 4
+        assert os.waitpid(pid, 0)[1] == 0
+
+
+# -- a stranger on the socket ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def victim() -> Any:
+    daemon = start_daemon(capacity="32MiB")
+    client = PoolClient.connect(daemon.address, SPEC, salt=b"victim")
+    hashes, blocks = client.hashes(TOKENS[:64]), make_blocks(4, seed=5)
+    assert client.put(hashes, blocks).stored == 4 and client._local is not None
+    yield daemon, client, hashes, blocks
+    client.close()
+    daemon.cleanup()
+
+
+def exchange(path: str, chunks: list[bytes]) -> bytes:
+    """Send ``chunks`` on a fresh connection; everything the daemon answers before it closes
+    or goes quiet for 2 s."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(2.0)
+    answer = b""
+    try:
+        conn.connect(path)
+        for chunk in chunks:
+            conn.sendall(chunk)
+        conn.shutdown(socket.SHUT_WR)
+        while True:
+            got = conn.recv(1 << 16)
+            if not got:
+                break
+            answer += got
+    except (TimeoutError, BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        conn.close()
+    return answer
+
+
+def hello(token: str = "") -> bytes:
+    body = HELLO_MAGIC + token.encode()
+    return struct.pack("<I", len(body)) + body
+
+
+def frame(*parts: bytes) -> bytes:
+    body = b"".join(parts)
+    return struct.pack("<I", len(body)) + body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    with_hello=st.booleans(),
+    method=st.sampled_from(["Lookup", "Lease", "PutStart", "Remove", "Events", "Nope", ""]),
+    raw=st.binary(max_size=512),
+    garbage=st.binary(max_size=64),
+)
+def test_a_strangers_bytes_get_typed_answers_or_a_closed_connection(
+    victim: Any, with_hello: bool, method: str, raw: bytes, garbage: bytes
+) -> None:
+    daemon, client, _, _ = victim
+    assert client._local is not None
+    chunks = [hello()] if with_hello else []
+    if method:
+        head, _ = pack_call(method, b"")
+        chunks.append(frame(head, raw))
+    chunks.append(garbage)
+    answer = exchange(client._local.path, chunks)
+    if answer:  # every answer is a whole frame: OK / a typed error, or a refusal
+        (size,) = struct.unpack_from("<I", answer)
+        assert answer[4 : 4 + 1] in (b"K", b"E") and size >= 1
+    assert daemon.proc.poll() is None
+
+
+def test_an_oversized_frame_is_refused_before_it_is_read(victim: Any) -> None:
+    client = victim[1]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5.0)
+    conn.connect(client._local.path)
+    send_frame(conn, HELLO_MAGIC)
+    assert read_frame(conn, 1 << 10) is not None  # admitted
+    conn.sendall(struct.pack("<I", 1 << 31))  # announces 2 GiB, sends none of it
+    assert conn.recv(16) == b""  # closed at once
+    conn.close()
+
+
+def test_after_the_strangers_the_victim_reads_its_blocks(victim: Any) -> None:
+    daemon, client, hashes, blocks = victim
+    assert client.get(hashes).tobytes() == blocks.tobytes()
+    assert client._local is not None  # still on the socket
+    assert "Traceback" not in daemon.stderr()
