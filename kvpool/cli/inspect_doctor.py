@@ -8,6 +8,8 @@ Each check gives ok / warn / fail / skip, what it found and, unless ok, what to 
   memory        MemAvailable (plus the running daemon's own arena) covers capacity_bytes
   arena pages   which pages the running daemon's arena is on (huge or 4 KiB), else whether
                 the host has the huge pages --arena-huge-pages asks for
+  local calls   whether the daemon offers its same-host call socket and this user can reach it
+                (else its clients' calls go through gRPC, several times slower)
   copy kernel   whether copies and checksums run in one pass (the native kernel, AVX2 where
                 the CPU has it) or on the slower numpy + xxhash path (no C compiler at install)
   disk tier     when configured: the directory is writable and has room for its capacity
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -37,6 +40,7 @@ from kvpool.cli.inspect_render import human_bytes, make_console
 from kvpool.core.checksum import native_kernel
 from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError
+from kvpool.core.unix_path import socket_address
 from kvpool.storage.arena import HugePageRoom
 
 ETCD_TIMEOUT_S = 2.0
@@ -236,6 +240,31 @@ def _nixl(config: DaemonConfig) -> Check:
     return Check("nixl", "ok", detail)
 
 
+def _local_calls(stats: dict[str, Any] | None) -> Check:
+    """Whether same-host clients make their control calls over the daemon's Unix socket
+    (kvpool.rpc.local_call): offered, and reachable by this user."""
+    if stats is None:
+        return Check("local calls", "skip", "no daemon answered")
+    path = str(stats.get("local_socket", ""))
+    if not path:
+        return Check("local calls", "ok", "off (--local-calls off): same-host clients call over gRPC")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with socket_address(path) as address:
+            conn.connect(address)
+    except OSError as exc:
+        return Check(
+            "local calls",
+            "warn",
+            f"{path}: this user cannot connect ({exc.strerror or exc}): its clients call over gRPC (slower)",
+            "run clients as the daemon's user, or widen the socket with --arena-socket-mode 660 / 666 "
+            "(a token is still needed with --credentials)",
+        )
+    finally:
+        conn.close()
+    return Check("local calls", "ok", f"{path}: same-host clients make their control calls here")
+
+
 def _copy_kernel(kernel: str | None) -> Check:
     """The one-pass copy + checksum of this install (kvpool/core/checksum.py): the daemon's
     commit verification and every same-host client of this install use it."""
@@ -262,6 +291,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks.append(_directory("arena", config.arena_dir, config.store.capacity_bytes, running, want_tmpfs=True))
     checks.append(_memory(config, stats))
     checks.append(_arena_pages(config, stats, HugePageRoom.measure()))
+    checks.append(_local_calls(stats))
     checks.append(_copy_kernel(native_kernel()))
     if config.tiers.disk_dir:
         checks.append(_directory("disk tier", config.tiers.disk_dir, config.tiers.disk_capacity_bytes, running, False))

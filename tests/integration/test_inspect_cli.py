@@ -271,6 +271,7 @@ def test_doctor_checks_and_says_what_to_fix(pool_daemon: DaemonHandle, tmp_path:
     assert checks["daemon"]["status"] == "ok" and pool_daemon.address in checks["daemon"]["detail"]
     assert checks["config"]["status"] == "ok" and checks["etcd"]["status"] == "skip"
     assert {"arena", "memory", "disk tier", "ucx", "nixl"} <= set(checks)
+    assert checks["local calls"]["status"] == "ok" and pool_daemon.arena_dir in checks["local calls"]["detail"]
     config = tmp_path / "kvpool.toml"
     config.write_text(
         f'arena_dir = "{tmp_path / "nope"}"\n[store]\ncapacity_bytes = "64MiB"\n'
