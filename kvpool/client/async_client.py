@@ -1,6 +1,7 @@
 """``AsyncPoolClient``: the asyncio twin of ``PoolClient`` for engines built on asyncio.
 
-Same calls, same semantics, awaited: control calls go over ``grpc.aio``; the block
+Same calls, same semantics, awaited: control calls go over the daemon's same-host socket
+when it offers one (``AsyncLocalChannel``), else over ``grpc.aio``; the block
 copies through the mapped arena are plain memcpys done inline (a 4 MiB block copies
 in well under a millisecond, less than the cost of handing it to a thread).
 """
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -21,32 +22,33 @@ from kvpool.client.pool_client import (
     BUSY_RETRIES,
     DEFAULT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
+    REPLY_TYPES,
     PutResult,
     attach_arena,
     hashes_request,
     hello_request,
-    is_tenant_busy,
     out_rows,
     put_result,
     put_rows,
     put_window,
 )
 from kvpool.core.arena_map import ArenaMapping
-from kvpool.core.errors import KVPoolError, Unavailable, UnknownNamespace
+from kvpool.core.errors import KVPoolError, TenantBusy, Unavailable, UnknownNamespace
 from kvpool.core.hashing import block_hashes
 from kvpool.core.spec import KVSpec, Namespace
 from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import channel_options
 from kvpool.rpc.errors import from_rpc_error
+from kvpool.rpc.local_call import LocalCallClosed
+from kvpool.rpc.local_channel import AsyncLocalChannel
 
 log = logging.getLogger("kvpool.client")
-T = TypeVar("T")
 
 
 class AsyncPoolClient:
-    """The asyncio twin of ``PoolClient``: the same calls and semantics, awaited (control over ``grpc.aio``;
-    block copies through the mapped arena inline). Use one per event loop; ``async with await
+    """The asyncio twin of ``PoolClient``: the same calls and semantics, awaited (control over the daemon's
+    same-host socket, or ``grpc.aio``; block copies through the mapped arena inline). Use one per event loop; ``async with await
     AsyncPoolClient.connect(...)``.
     """
 
@@ -57,6 +59,7 @@ class AsyncPoolClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         token: str = "",
         tls_root_certs: bytes | None = None,
+        local_calls: bool = True,
     ) -> None:
         """Prefer ``await AsyncPoolClient.connect(...)``, which says hello and maps the arena; the arguments are
         ``PoolClient``'s.
@@ -70,6 +73,8 @@ class AsyncPoolClient:
         self._metadata = call_metadata(token)
         self._channel = make_channel(address, channel_options(MAX_MESSAGE_BYTES), tls_root_certs, aio=True)
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
+        self._use_local = local_calls
+        self._local: AsyncLocalChannel | None = None  # opened after Hello when the daemon offers it
         self._arena: ArenaMapping | None = None
         self._pending_releases: list[int] = []
         self.node_id = ""
@@ -85,9 +90,10 @@ class AsyncPoolClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         token: str = "",
         tls_root_certs: bytes | None = None,
+        local_calls: bool = True,
     ) -> AsyncPoolClient:
-        """Connect, register the namespace, map the arena (``token``: see ``PoolClient.connect``)."""
-        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs)
+        """Connect, register the namespace, map the arena (``token``, ``local_calls``: see ``PoolClient.connect``)."""
+        client = cls(address, Namespace(spec, salt, adapter), timeout_s, token, tls_root_certs, local_calls)
         try:
             await client._hello()
         except BaseException:
@@ -101,23 +107,55 @@ class AsyncPoolClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _rpc(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+    async def _rpc(self, method: str, request: Any) -> Any:
         for attempt in range(BUSY_RETRIES + 1):  # TENANT_BUSY: as PoolClient._rpc
             try:
-                return await method(request, timeout=self.timeout_s, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                if attempt == BUSY_RETRIES or not is_tenant_busy(exc, self.address):
-                    raise from_rpc_error(exc, self.address) from None
+                return await self._call(method, request)
+            except TenantBusy:
+                if attempt == BUSY_RETRIES:
+                    raise
             await asyncio.sleep(BUSY_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")
 
+    async def _call(self, method: str, request: Any) -> Any:
+        """As ``PoolClient._call``: the local socket when open, else gRPC."""
+        local = self._local if method != "Hello" else None
+        if local is not None:
+            try:
+                return await local.call(method, request, REPLY_TYPES[method], MAX_MESSAGE_BYTES)
+            except LocalCallClosed as err:
+                if err.gone and self._local is local:
+                    log.warning("local calls to %s stopped (%s): using gRPC until the next hello", self.address, err)
+                    self._local = None
+                    local.close()
+                if err.sent:
+                    raise
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
+    async def _open_local(self, reply: pool_pb2.HelloReply) -> None:
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        if not (self._use_local and reply.local_socket):
+            return
+        try:
+            self._local = await AsyncLocalChannel.open(
+                reply.local_socket, reply.local_key_id, reply.local_key, self._token, reply.node_id, self.timeout_s
+            )
+        except KVPoolError as err:
+            log.info("control calls to %s go through gRPC: %s", self.address, err.message)
+
     async def _hello(self) -> None:
-        reply = await self._rpc(self._stub.Hello, hello_request(self.namespace))
+        reply = await self._rpc("Hello", hello_request(self.namespace))
         self._arena = attach_arena(self._arena, reply, self.spec, self._token)
+        await self._open_local(reply)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 
-    async def _hashes_call(self, method: Callable[..., Awaitable[T]], hashes: Sequence[bytes]) -> T:
+    async def _hashes_call(self, method: str, hashes: Sequence[bytes]) -> Any:
         def request() -> pool_pb2.HashesRequest:
             releases, self._pending_releases = self._pending_releases, []
             return hashes_request(self._ns_digest, hashes, releases, self.max_batch_blocks)
@@ -144,14 +182,14 @@ class AsyncPoolClient:
         """How many leading blocks of ``hashes`` the pool holds now."""
         if not hashes:
             return 0
-        return int((await self._hashes_call(self._stub.Lookup, hashes)).hits)
+        return int((await self._hashes_call("Lookup", hashes)).hits)
 
     async def put(self, hashes: Sequence[bytes], blocks: Any) -> PutResult:
         """Store blocks ([n, *spec.block_shape]) under ``hashes``; present ones are skipped (``PutResult``)."""
         rows = put_rows(blocks, self.spec, hashes)
         if not hashes:
             return PutResult(0, 0, 0, 0)
-        start = await self._hashes_call(self._stub.PutStart, hashes)
+        start = await self._hashes_call("PutStart", hashes)
         if start.put_id == 0:
             return put_result(start, None)
         try:
@@ -168,11 +206,9 @@ class AsyncPoolClient:
             ) as window:
                 checksums = write_rows(window, rows, start.indices, start.offsets)
         except BaseException:
-            await self._rpc(self._stub.PutAbort, pool_pb2.PutAbortRequest(put_id=start.put_id))
+            await self._rpc("PutAbort", pool_pb2.PutAbortRequest(put_id=start.put_id))
             raise
-        done = await self._rpc(
-            self._stub.PutCommit, pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums)
-        )
+        done = await self._rpc("PutCommit", pool_pb2.PutCommitRequest(put_id=start.put_id, checksums=checksums))
         return put_result(start, done)
 
     async def get_into(self, hashes: Sequence[bytes], out: Any) -> int:
@@ -182,7 +218,7 @@ class AsyncPoolClient:
         rows = out_rows(out, self.spec, hashes)
         if not hashes:
             return 0
-        reply = await self._hashes_call(self._stub.Lease, hashes)
+        reply = await self._hashes_call("Lease", hashes)
         if reply.lease_id == 0:
             return 0
         try:
@@ -201,7 +237,7 @@ class AsyncPoolClient:
         """``PoolClient.report_corrupt``: the node re-verifies and drops what really is bad.
         Returns how many it dropped; never raises."""
         try:
-            reply = await self._hashes_call(self._stub.ReportCorrupt, hashes)
+            reply = await self._hashes_call("ReportCorrupt", hashes)
         except KVPoolError as err:
             log.warning("could not report %d corrupt blocks to %s: %s", len(hashes), self.address, err)
             return 0
@@ -217,17 +253,20 @@ class AsyncPoolClient:
         """Remove these blocks of this namespace from the node; returns how many were removed."""
         if not hashes:
             return 0
-        return int((await self._hashes_call(self._stub.Remove, hashes)).removed)
+        return int((await self._hashes_call("Remove", hashes)).removed)
 
     async def close(self) -> None:
         """Release pending leases, unmap the arena, close the channel."""
         if self._pending_releases:
             try:
-                await self._rpc(self._stub.Release, pool_pb2.ReleaseRequest(lease_ids=self._pending_releases))
+                await self._rpc("Release", pool_pb2.ReleaseRequest(lease_ids=self._pending_releases))
             except KVPoolError:
                 pass
             self._pending_releases = []
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        if self._local is not None:
+            self._local.close()
+            self._local = None
         await self._channel.close(None)

@@ -42,7 +42,8 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import call_metadata, make_channel
 from kvpool.rpc.codec import PROTOCOL_VERSION, channel_options, spec_to_msg
 from kvpool.rpc.errors import from_rpc_error
-from kvpool.rpc.local_call import LocalCallClosed, LocalChannel
+from kvpool.rpc.local_call import LocalCallClosed
+from kvpool.rpc.local_channel import LocalChannel
 from kvpool.transport.arena_handoff import receive_arena_fd, receive_arena_segment
 
 log = logging.getLogger("kvpool.client")
@@ -70,11 +71,6 @@ class PutResult:
     already_present: int  # skipped: the pool had them
     in_flight: int  # skipped: another writer is storing them now
     checksum_failed: int  # written but rejected at commit (not stored; of the blocks the node checked)
-
-
-def is_tenant_busy(exc: grpc.RpcError, address: str) -> bool:
-    """Whether a failed call was refused TENANT_BUSY (nothing done; retry after a backoff)."""
-    return isinstance(from_rpc_error(exc, address), TenantBusy)
 
 
 #: each Pool method's reply type, by name (what a local call's reply decodes as)
@@ -289,14 +285,16 @@ class PoolClient:
         raise AssertionError("unreachable")
 
     def _call(self, method: str, request: Any) -> Any:
-        """One call: over the local socket when open, else (or when it broke before the
-        request left) over gRPC; raises the typed error."""
-        local = self._local
+        """One call: over the local socket when open, else over gRPC, also when no local
+        connection could take it (busy, too large) or the socket is gone; raises the typed
+        error, and Unavailable if the local connection broke after the request left."""
+        local = self._local if method != "Hello" else None  # Hello names the socket: always gRPC
         if local is not None:
             try:
                 return local.call(method, request, REPLY_TYPES[method], MAX_MESSAGE_BYTES)
             except LocalCallClosed as err:
-                self._drop_local(local, err.message)
+                if err.gone:
+                    self._drop_local(local, err.message)
                 if err.sent:  # the node may have run it: not safe to send again
                     raise
         try:
@@ -308,25 +306,33 @@ class PoolClient:
 
     def _open_local(self, reply: pool_pb2.HelloReply) -> None:
         """Open the daemon's local-call socket if it offers one (after each Hello: a restarted
-        daemon has a new one); if it cannot be opened, calls go through gRPC."""
-        old, self._local = self._local, None
-        if old is not None:
-            old.close()
+        daemon has a new one, and a new key); if it cannot be opened, calls go through gRPC."""
         if not (self._use_local and reply.local_socket):
             return
         try:
-            self._local = LocalChannel.open(reply.local_socket, self._token, reply.node_id, self.timeout_s)
+            local = LocalChannel.open(
+                reply.local_socket, reply.local_key_id, reply.local_key, self._token, reply.node_id, self.timeout_s
+            )
         except KVPoolError as err:
             log.info("control calls to %s go through gRPC: %s", self.address, err.message)
+            return
+        with self._lock:
+            old, self._local = self._local, local
+        if old is not None:
+            old.close()
 
     def _drop_local_quietly(self) -> None:
-        local, self._local = self._local, None
+        with self._lock:
+            local, self._local = self._local, None
         if local is not None:
             local.close()
 
     def _drop_local(self, local: LocalChannel, why: str) -> None:
-        if self._local is local:
-            self._local = None
+        with self._lock:
+            dropped = self._local is local
+            if dropped:
+                self._local = None
+        if dropped:
             log.warning("local calls to %s stopped (%s): using gRPC until the next hello", self.address, why)
         local.close()
 

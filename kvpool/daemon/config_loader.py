@@ -341,7 +341,7 @@ OPTIONS: list[Option] = [
         "local_calls",
         parse_on_off,
         "also answer same-host clients' control calls (lookup, lease, put) over a Unix socket in "
-        "--arena-dir: the same handlers, token and tenant limits as gRPC at about a tenth of its "
+        "--arena-dir: the same handlers, token and tenant limits as gRPC at about a third of its "
         "latency; clients that cannot reach it use gRPC: 'on' or 'off'. See docs/security.md.",
     ),
     Option(

@@ -2,18 +2,21 @@
 ``kvpool.rpc.local_call``).
 
 One listening socket in the arena directory (0600 unless ``--arena-socket-mode``), named in
-``HelloReply.local_socket``. Each accepted connection gets its own thread, which reads the
-client's hello (token checked against the credentials: a connection without a known token is
-refused and closed), then answers calls in order until the client closes. A call runs the
-service's own typed handler (``kvpool.rpc.serving.typed_methods``) with a
-``LocalCallContext``: the same request limits, authentication, namespace checks and tenant
-gate as over gRPC. Only unary methods are served (the Events stream stays on gRPC).
+``HelloReply.local_socket``. Each accepted connection gets its own thread, which proves the
+daemon to the client (the key of the client's ``Hello``), takes its token (with credentials,
+a connection without a known token is refused and closed), then answers calls in order until
+the client closes. A call runs the service's own typed handler
+(``kvpool.rpc.serving.typed_methods``) with a ``LocalCallContext``: the same request limits,
+authentication, namespace checks and tenant gate as over gRPC. Only unary methods are
+served (the Events stream stays on gRPC).
 
 Bounded: at most ``max_connections`` connections at once (a further one is answered "busy"
-and closed: its client uses gRPC); the hello within ``HELLO_DEADLINE_S``; a frame larger than
-the service's request limit, a malformed frame or an unknown method closes the connection,
-logged at most once per interval. Calls are not queued behind one another across
-connections; the tenant gate bounds one tenant's calls in flight as it does for gRPC.
+and closed: its client uses gRPC for that call); the hello and the token within one
+``HELLO_DEADLINE_S`` however slowly the bytes come; a frame larger than the service's request
+limit, a malformed frame or an unknown method closes the connection, logged at most once per
+interval. An accept that fails (no descriptors left) is logged and retried, never the end of
+the loop. ``stop`` stops reading new calls, lets the calls in flight answer (up to a grace
+period, as gRPC's server does), then returns.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import os
 import pathlib
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.core.auth import Credentials
+from kvpool.core.auth import MAX_TOKEN_BYTES, Credentials
 from kvpool.core.errors import InternalError, KVPoolError
 from kvpool.core.supervisor import Supervisor
 from kvpool.daemon.arena_handoff import ArenaHandoff, listen_unix
@@ -36,15 +40,19 @@ from kvpool.rpc.auth import Metadata, call_metadata
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.rpc.local_call import (
     CALL_FRAME_OVERHEAD,
-    MAX_HELLO_BYTES,
+    HELLO_BYTES,
     OK,
     CallAborted,
     LocalCallContext,
+    LocalCallKeys,
+    frame,
     pack_error,
+    pack_proof,
     read_frame,
     send_frame,
     unpack_call,
     unpack_hello,
+    unpack_token,
 )
 from kvpool.rpc.serving import TypedMethod
 
@@ -52,8 +60,10 @@ log = logging.getLogger("kvpool.local_calls")
 
 #: connections served at once (each holds a thread while open)
 MAX_LOCAL_CONNECTIONS = 128
-#: a connection must say hello within this long
+#: a connection must finish its hello and token within this long
 HELLO_DEADLINE_S = 2.0
+#: after a failed accept (e.g. no descriptors left), wait this long before the next
+ACCEPT_RETRY_S = 0.1
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 #: wraps a method's handler for the timing metrics: (method name, handler) -> handler
@@ -62,7 +72,7 @@ Timer = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 
 def local_socket_path(directory: str) -> str:
     """A fresh socket name in ``directory``: the daemon's pid (for ``reap_stale``) and 64
-    random bits, so a client cannot mistake another daemon's socket for this one's."""
+    random bits."""
     return str(pathlib.Path(directory) / f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:16]}.sock")
 
 
@@ -71,6 +81,7 @@ class LocalCallServer:
         self,
         methods: dict[str, TypedMethod],
         path: str,
+        keys: LocalCallKeys,
         credentials: Credentials | None,
         node_id: str,
         max_request_bytes: int,
@@ -78,22 +89,25 @@ class LocalCallServer:
         timer: Timer | None = None,
         max_connections: int = MAX_LOCAL_CONNECTIONS,
     ) -> None:
-        """``methods``: the service's typed methods (the unary ones are served); ``timer``:
-        how each call is observed for ``/metrics`` (None: not timed)."""
+        """``methods``: the service's typed methods (the unary ones are served); ``keys``:
+        those the service hands out in ``Hello``; ``timer``: how each call is observed for
+        ``/metrics`` (None: not timed)."""
         self._handlers = {
             name: (timer(name, m.handler) if timer is not None else m.handler)
             for name, m in methods.items()
             if not m.server_streaming
         }
+        self.path = path
+        self._keys = keys
         self._credentials = credentials
-        self._node_id = node_id.encode()
+        self._node_id = node_id
         self._max_frame_bytes = max_request_bytes + CALL_FRAME_OVERHEAD
         self._socket_mode = socket_mode
         self._max_connections = max_connections
-        self.path = path
         self._sock: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
+        self._stopping = False
         self._refusals = RateLimitedLog(log, REFUSAL_LOG_INTERVAL_S)
         self.connections_served = 0
         self.refused = 0
@@ -103,18 +117,23 @@ class LocalCallServer:
         self._sock = listen_unix(self.path, self._socket_mode)
         supervisor.spawn("local-calls", self._accept_loop)
 
-    def stop(self) -> None:
-        """Stop accepting, end every connection (their threads see the peer close), remove the file."""
-        sock, self._sock = self._sock, None
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting and reading new calls; wait up to ``grace_s`` for the calls in
+        flight to answer; remove the socket file."""
+        with self._lock:
+            self._stopping = True
+            sock, self._sock = self._sock, None
+            conns = dict(self._conns)
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
+        for conn in conns:  # a thread waiting for a call sees the end; one in a call answers it first
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+                conn.shutdown(socket.SHUT_RD)
+        deadline = time.monotonic() + grace_s
+        for thread in conns.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
@@ -124,47 +143,78 @@ class LocalCallServer:
             return len(self._conns)
 
     def _accept_loop(self) -> None:
-        while self._sock is not None:
+        while True:
+            sock = self._sock
+            if sock is None:
+                return
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # stopped
-            with self._lock:
-                full = len(self._conns) >= self._max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                self._refuse(conn, f"busy: {self._max_connections} local connections are open (use gRPC)")
-                conn.close()
+                conn, _ = sock.accept()
+            except OSError as exc:
+                if self._sock is None:
+                    return  # stopped
+                self._refusals.emit("accept", f"local calls: accept failed ({exc}); retrying")
+                time.sleep(ACCEPT_RETRY_S)
                 continue
-            threading.Thread(target=self._connection, args=(conn,), name="kvpool-local", daemon=True).start()
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        thread = threading.Thread(target=self._connection, args=(conn,), name="kvpool-local", daemon=True)
+        with self._lock:
+            refused = (
+                "the daemon is stopping"
+                if self._stopping
+                else f"busy: {self._max_connections} local connections are open"
+                if len(self._conns) >= self._max_connections
+                else ""
+            )
+            if not refused:
+                self._conns[conn] = thread
+        if not refused:
+            try:
+                thread.start()
+                return
+            except RuntimeError as exc:  # no thread to be had now
+                with self._lock:
+                    del self._conns[conn]
+                refused = f"busy: cannot start a thread ({exc})"
+        self._refuse(conn, refused)
+        conn.close()
 
     def _refuse(self, conn: socket.socket, reason: str) -> None:
-        self.refused += 1
+        with self._lock:
+            self.refused += 1
         self._refusals.emit("refused", f"local calls: refused a client: {reason}")
         with contextlib.suppress(OSError):
-            send_frame(conn, b"E", reason.encode())
+            conn.setblocking(False)  # a refusal never waits on the client
+            conn.send(frame(b"E", reason.encode()))
 
     def _connection(self, conn: socket.socket) -> None:
         try:
             admitted, metadata = self._hello(conn)
             if admitted:
-                self.connections_served += 1
+                with self._lock:
+                    self.connections_served += 1
                 self._serve_calls(conn, metadata)
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             self._refusals.emit("bad", f"local calls: dropped a client ({type(exc).__name__}: {exc})")
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _hello(self, conn: socket.socket) -> tuple[bool, Metadata | None]:
-        """(admitted, the call metadata of the connection's token)."""
-        conn.settimeout(HELLO_DEADLINE_S)
-        body = read_frame(conn, MAX_HELLO_BYTES)
+        """Prove the daemon, take the token: (admitted, the token's call metadata)."""
+        deadline = time.monotonic() + HELLO_DEADLINE_S
+        body = read_frame(conn, HELLO_BYTES, deadline)
         if body is None:
             return False, None
-        token = unpack_hello(body)
+        key_id, nonce = unpack_hello(body)
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        send_frame(conn, pack_proof(self._keys.key_of(key_id), nonce, self._max_frame_bytes, self._node_id))
+        body = read_frame(conn, MAX_TOKEN_BYTES, deadline)
+        if body is None:
+            return False, None
+        token = unpack_token(body)
         if self._credentials is not None and (not token or self._credentials.identify(token) is None):
             self._refuse(conn, "unauthenticated: no credential has this token")
             return False, None
@@ -174,7 +224,7 @@ class LocalCallServer:
             self._refuse(conn, err.message)
             return False, None
         conn.settimeout(None)  # an idle client keeps its connection; stop() ends it
-        send_frame(conn, OK, self._node_id)
+        send_frame(conn, OK)
         return True, metadata
 
     def _serve_calls(self, conn: socket.socket, metadata: Metadata | None) -> None:

@@ -30,6 +30,7 @@ from kvpool.daemon.service import PoolService, max_request_bytes
 from kvpool.proto import pool_pb2
 from kvpool.rpc.codec import server_options
 from kvpool.rpc.credentials import load_credentials, load_tls
+from kvpool.rpc.local_call import LocalCallKeys
 from kvpool.rpc.metrics import ServiceMetrics
 from kvpool.rpc.serving import add_typed_service
 from kvpool.storage.arena_segments import SegmentedArena
@@ -99,12 +100,14 @@ class PoolServer:
             interceptors=self.metrics.interceptors(bool(config.metrics_listen)),  # none without /metrics
         )
         local_path = local_socket_path(config.arena_dir) if config.local_calls else ""
+        local_keys = LocalCallKeys()
         service = PoolService(
             self.node,
             max_event_subscribers=max(1, config.grpc_workers // 2),
             credentials=self.credentials,
             arena_socket=self.handoff.path if self.handoff is not None else "",
             local_socket=local_path,
+            local_keys=local_keys,
         )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
         methods = add_typed_service(self._server, service, pool_pb2, "Pool", limit)
@@ -114,6 +117,7 @@ class PoolServer:
             self.local = LocalCallServer(
                 methods,
                 local_path,
+                local_keys,
                 self.credentials,
                 self.node.node_id,
                 limit,
@@ -179,7 +183,7 @@ class PoolServer:
         if self.handoff is not None:
             self.handoff.stop()  # before the supervisor joins its accept thread
         if self.local is not None:
-            self.local.stop()  # likewise
+            self.local.stop(SHUTDOWN_GRACE_S)  # likewise; its calls in flight answer first
         self.metrics.stop()  # ends its serve loop, which the supervisor joins
         self.supervisor.stop()
         self.node.events.close()

@@ -52,6 +52,7 @@ from kvpool.proto import pool_pb2, pool_pb2_grpc
 from kvpool.rpc.auth import principal_of
 from kvpool.rpc.codec import PROTOCOL_VERSION, event_to_msg, spec_from_msg
 from kvpool.rpc.errors import abort_with, typed_handler
+from kvpool.rpc.local_call import LocalCallKeys
 
 log = logging.getLogger("kvpool.service")
 
@@ -129,12 +130,14 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         credentials: Credentials | None = None,
         arena_socket: str = "",
         local_socket: str = "",
+        local_keys: LocalCallKeys | None = None,
     ) -> None:
         """``arena_socket``: where clients get the arena (memfd hand-off), "" = by path;
         ``local_socket``: where same-host clients may send unary calls (kvpool.rpc.local_call), "" = none."""
         self.node = node
         self.arena_socket = arena_socket
         self.local_socket = local_socket
+        self.local_keys = local_keys if local_keys is not None else LocalCallKeys()
         self.credentials = credentials
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
@@ -250,7 +253,10 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         if self.credentials is not None and issuer is not None:  # the data plane admits only callers seen here
             ticket_id, ticket_key = self.credentials.issue_ticket(principal, int(time.monotonic() * 1000)) or (b"", b"")
             ticket_ttl_ms = issuer.ttl_ms
+        local_key_id, local_key = self.local_keys.issue() if self.local_socket else (b"", b"")
         return pool_pb2.HelloReply(
+            local_key_id=local_key_id,
+            local_key=local_key,
             data_ticket=ticket_id,
             data_ticket_key=ticket_key,
             data_ticket_ttl_ms=ticket_ttl_ms,

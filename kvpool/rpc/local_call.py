@@ -1,88 +1,127 @@
-"""Same-host unary calls over a Unix socket: the wire format, the client's channel and the
-handler context the daemon's side gives the service.
+"""Same-host unary calls over a Unix socket: the wire format, the daemon's proof of identity,
+and the handler context the daemon's side gives the service (the client's connections:
+``kvpool.rpc.local_channel``; the daemon's: ``kvpool.daemon.local_calls``).
 
 Why: a unary gRPC call costs 0.5-1.4 ms on a 2-core host when calls are spaced (its core's
 poller threads on both sides wake one another through a chain of hand-offs), the latency a
 serving engine pays on every prefix lookup and lease before the first token. A blocking Unix
-socket with one daemon thread per connection answers the same call in ~0.1 ms paced
+socket with one daemon thread per connection answers the same call in a third of that
 (``tools/bench_pool.py``). The daemon runs **the same handlers** (``kvpool.rpc.serving``):
 the same decoding and size limits, the same ``principal_of`` on the same bearer token, the
 same tenant gate; only the framing differs. Block bytes never cross this socket (they move
 through the mapped arena, as with gRPC).
 
+Who is listening: the socket's name comes from the daemon's ``HelloReply.local_socket``,
+with a key made for that one ``Hello`` (``local_key_id``, ``local_key`` = HMAC of the
+daemon's secret of this start over the id). A connection opens with the key id and a fresh
+nonce; the daemon answers with ``HMAC(key, nonce)``; only then does the client send its
+token. So a process that binds the name after the daemon stopped (``/dev/shm`` is writable
+by every user) gets no token and cannot answer calls: it knows no key, and another tenant's
+``Hello`` gave that tenant a key of its own, not this client's.
+
 Wire (every integer little-endian; a frame is a ``u32`` body length and the body):
 
-    client hello   b"KVPL1\\0" + token (UTF-8, at most MAX_TOKEN_BYTES)
-    hello reply    b"K" + node id           | b"E" + reason (connection closed after)
+    client hello   MAGIC + key id (16 bytes) + nonce (16 bytes)
+    proof          b"K" + HMAC-SHA256(key, PROOF_LABEL + nonce) + u32 largest call frame + node id
+                   | b"E" + reason (connection closed after)
+    client token   token (UTF-8, at most MAX_TOKEN_BYTES; empty without one)
+    admitted       b"K" | b"E" + reason (connection closed after)
     call           u8 n + method name (n ASCII bytes) + request (serialized protobuf)
     call reply     b"K" + reply (protobuf)  | b"E" + u8 n + error wire name + u16 m + message + u16 h + hint
 
-Bounds: a call frame is at most the service's request limit plus ``CALL_FRAME_OVERHEAD``; a
-frame past it, a bad hello, an unknown method or a malformed frame closes the connection
-(the client gets ``Unavailable`` and its later calls go through gRPC). The socket file is
-0600 in the arena directory (``--arena-socket-mode`` widens it), so by default only the
-daemon's uid can connect; with credentials a connection also needs a token the daemon knows.
+Bounds: the hello and the token within one deadline; a call frame at most the service's
+request limit plus ``CALL_FRAME_OVERHEAD`` (the proof tells the client, which sends a larger
+request over gRPC instead); a frame past it, a malformed frame or an unknown method closes
+the connection. The socket file is 0600 in the arena directory (``--arena-socket-mode``
+widens it), so by default only the daemon's uid can connect; with credentials a connection
+also needs a token the daemon knows.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
+import hmac
 import os
 import socket
 import struct
-import threading
+import time
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 
 from kvpool.core.auth import MAX_TOKEN_BYTES
-from kvpool.core.errors import (
-    DeadlineExceeded,
-    ErrorCode,
-    InvalidArgument,
-    KVPoolError,
-    Unavailable,
-    error_from_code,
-)
-from kvpool.core.unix_path import socket_address
+from kvpool.core.errors import ErrorCode, InvalidArgument, KVPoolError, Unavailable, error_from_code
 from kvpool.rpc.auth import Metadata
 from kvpool.rpc.errors import CODE_KEY, HINT_KEY
 
-HELLO_MAGIC = b"KVPL1\0"
+MAGIC = b"KVPL1\0"
 OK, ERR = b"K", b"E"
+KEY_ID_BYTES = NONCE_BYTES = 16
+PROOF_BYTES = 32
+KEY_LABEL = b"kvpool-local-key-v1|"
+PROOF_LABEL = b"kvpool-local-proof-v1|"
+HELLO_BYTES = len(MAGIC) + KEY_ID_BYTES + NONCE_BYTES
 #: room in a call frame besides the request: the method name and its length byte
 CALL_FRAME_OVERHEAD = 256
-#: a hello frame: the magic and the longest token
-MAX_HELLO_BYTES = len(HELLO_MAGIC) + MAX_TOKEN_BYTES
 #: longest hello reason / error message / hint sent back, in bytes (the rest is cut)
 MAX_TEXT_BYTES = 4096
-#: idle connections a client keeps open for later calls (one per concurrent call in flight)
-CLIENT_POOL_CONNECTIONS = 8
-#: how long a client waits for the daemon's answer to its hello
-HELLO_TIMEOUT_S = 5.0
+#: a frame of the daemon's during the hello: the proof, the frame limit and a node id, or a reason
+MAX_PROOF_FRAME_BYTES = 1 + PROOF_BYTES + 4 + MAX_TEXT_BYTES
+#: frames longer than this are read as their bytes arrive, not into one buffer of the announced size
+READ_CHUNK_BYTES = 64 << 10
 
 _LEN = struct.Struct("<I")
+_LIMIT = struct.Struct("<I")
 
 
 class LocalCallClosed(Unavailable):
-    """The local connection broke. ``sent``: whether the call's request had been handed to
-    the kernel before it broke (then the daemon may have run it; before, it surely did not)."""
+    """No local call could be made, or its connection broke. ``sent``: whether the request
+    had been handed to the kernel (then the daemon may have run it: not safe to send again);
+    ``gone``: the socket is not there or not the daemon's (its name is stale: the client
+    stops using it until its next ``Hello``), as against a passing refusal (busy)."""
 
-    def __init__(self, message: str, sent: bool) -> None:
-        super().__init__(message, hint="the client goes back to gRPC; check that the daemon is running")
+    def __init__(self, message: str, sent: bool, gone: bool = False) -> None:
+        super().__init__(message, hint="the client uses gRPC instead; check that the daemon is running")
         self.sent = sent
+        self.gone = gone
 
 
-def recv_exact(conn: socket.socket, size: int) -> bytes:
-    """Exactly ``size`` bytes, or ConnectionError if the peer closes first."""
-    data = conn.recv(size, socket.MSG_WAITALL) if size else b""
-    if len(data) == size:
-        return data
-    chunks = [data]
-    got = len(data)
+class LocalCallKeys:
+    """The daemon's side of the proof: a secret made at start, a key per ``Hello``."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret if secret is not None else os.urandom(32)
+
+    def issue(self) -> tuple[bytes, bytes]:
+        """(key id, key) for one ``HelloReply``."""
+        key_id = os.urandom(KEY_ID_BYTES)
+        return key_id, self.key_of(key_id)
+
+    def key_of(self, key_id: bytes) -> bytes:
+        return hmac.new(self._secret, KEY_LABEL + key_id, hashlib.sha256).digest()
+
+
+def prove(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, PROOF_LABEL + nonce, hashlib.sha256).digest()
+
+
+def recv_exact(conn: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """Exactly ``size`` bytes, or ConnectionError if the peer closes first; with a
+    ``deadline`` (``time.monotonic()``), TimeoutError once it passes, however the bytes trickle."""
+    if deadline is None and size <= READ_CHUNK_BYTES:
+        data = conn.recv(size, socket.MSG_WAITALL) if size else b""
+        if len(data) == size:
+            return data
+        got, chunks = len(data), [data]
+    else:
+        got, chunks = 0, []
     while got < size:
-        chunk = conn.recv(size - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the hello took too long")
+            conn.settimeout(left)
+        chunk = conn.recv(min(size - got, READ_CHUNK_BYTES))
         if not chunk:
             raise ConnectionError(f"peer closed after {got} of {size} bytes")
         chunks.append(chunk)
@@ -90,22 +129,33 @@ def recv_exact(conn: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(conn: socket.socket, max_bytes: int) -> bytes | None:
+def read_frame(conn: socket.socket, max_bytes: int, deadline: float | None = None) -> bytes | None:
     """The next frame's body; None when the peer closed between frames; ValueError when the
     frame is larger than ``max_bytes`` (the caller drops the connection without reading it)."""
-    head = conn.recv(_LEN.size, socket.MSG_WAITALL)
-    if not head:
-        return None
-    if len(head) != _LEN.size:
-        raise ConnectionError("peer closed inside a frame header")
+    if deadline is None:
+        head = conn.recv(_LEN.size, socket.MSG_WAITALL)
+        if not head:
+            return None
+        if len(head) != _LEN.size:
+            raise ConnectionError("peer closed inside a frame header")
+    else:
+        try:
+            head = recv_exact(conn, _LEN.size, deadline)
+        except ConnectionError:
+            return None
     (size,) = _LEN.unpack(head)
     if size > max_bytes:
         raise ValueError(f"a {size}-byte frame; the limit is {max_bytes}")
-    return recv_exact(conn, size)
+    return recv_exact(conn, size, deadline)
+
+
+def frame(*parts: bytes) -> bytes:
+    return _LEN.pack(sum(len(p) for p in parts)) + b"".join(parts)
 
 
 def send_frame(conn: socket.socket, *parts: bytes) -> None:
-    conn.sendmsg([_LEN.pack(sum(len(p) for p in parts)), *parts])
+    """All of the frame (``sendall``: a request larger than the socket buffer goes out whole)."""
+    conn.sendall(frame(*parts))
 
 
 def _text(value: str, width: str) -> bytes:
@@ -149,11 +199,44 @@ def unpack_call(body: bytes) -> tuple[str, bytes]:
     return body[1 : 1 + body[0]].decode("ascii"), body[1 + body[0] :]
 
 
-def unpack_hello(body: bytes) -> str:
-    """The token of a hello frame, or ValueError."""
-    if not body.startswith(HELLO_MAGIC) or len(body) > MAX_HELLO_BYTES:
+def unpack_hello(body: bytes) -> tuple[bytes, bytes]:
+    """(key id, nonce) of a client's hello frame, or ValueError."""
+    if len(body) != HELLO_BYTES or not body.startswith(MAGIC):
         raise ValueError("not a kvpool local-call hello")
-    return body[len(HELLO_MAGIC) :].decode("utf-8")
+    return body[len(MAGIC) : len(MAGIC) + KEY_ID_BYTES], body[len(MAGIC) + KEY_ID_BYTES :]
+
+
+def pack_proof(key: bytes, nonce: bytes, max_call_frame_bytes: int, node_id: str) -> bytes:
+    return OK + prove(key, nonce) + _LIMIT.pack(max_call_frame_bytes) + node_id.encode()[:MAX_TEXT_BYTES]
+
+
+def check_proof(body: bytes, key: bytes, nonce: bytes, node_id: str, path: str) -> int:
+    """The daemon's largest call frame, once its proof and node id check; else LocalCallClosed
+    (``gone``: not the daemon that issued the key), or a passing refusal (``E``)."""
+    if body[:1] == ERR:
+        check_admitted(body, path)
+    proof, rest = body[1 : 1 + PROOF_BYTES], body[1 + PROOF_BYTES :]
+    if body[:1] != OK or len(rest) < _LIMIT.size or not hmac.compare_digest(proof, prove(key, nonce)):
+        raise LocalCallClosed(f"{path} is not the local-call socket of the daemon that said hello", False, True)
+    if rest[_LIMIT.size :].decode("utf-8", "replace") != node_id:
+        raise LocalCallClosed(f"{path} answers for another node than {node_id}", sent=False, gone=True)
+    (limit,) = _LIMIT.unpack_from(rest)
+    return int(limit)
+
+
+def check_admitted(body: bytes | None, path: str) -> None:
+    """LocalCallClosed unless the daemon's answer to the token admits the connection."""
+    if not body:
+        raise LocalCallClosed(f"{path} closed before admitting the token", sent=False)
+    if body[:1] != OK:
+        raise LocalCallClosed(f"{path} refused this client: {body[1:].decode('utf-8', 'replace')}", sent=False)
+
+
+def unpack_token(body: bytes) -> str:
+    """The token frame's token, or ValueError."""
+    if len(body) > MAX_TOKEN_BYTES:
+        raise ValueError("token longer than a token may be")
+    return body.decode("utf-8")
 
 
 class CallAborted(Exception):
@@ -195,115 +278,3 @@ class LocalCallContext:
         """The typed error an aborted call answers with."""
         code = ErrorCode.from_wire_name(self._trailing.get(CODE_KEY, ""))  # unknown: INTERNAL
         return error_from_code(code, self._details, self._trailing.get(HINT_KEY, ""))
-
-
-class LocalChannel:
-    """A client's connections to one daemon's local-call socket: up to
-    ``CLIENT_POOL_CONNECTIONS`` kept open, one per call in flight (thread-safe)."""
-
-    def __init__(self, path: str, token: str, node_id: str, timeout_s: float) -> None:
-        self.path = path
-        self._token = token
-        self._node_id = node_id
-        self._timeout_s = timeout_s
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pid = os.getpid()  # a forked child shares these sockets: it must not use them
-
-    @classmethod
-    def open(cls, path: str, token: str, node_id: str, timeout_s: float) -> LocalChannel:
-        """A channel whose first connection said hello; Unavailable (or the daemon's typed
-        refusal) if the socket is not there, not this daemon's, or refuses the token."""
-        channel = cls(path, token, node_id, timeout_s)
-        channel._release(channel._connect())  # the daemon's typed refusal, or Unavailable
-        return channel
-
-    def _connect(self) -> socket.socket:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.settimeout(min(self._timeout_s, HELLO_TIMEOUT_S))
-            with socket_address(self.path) as address:
-                conn.connect(address)
-            send_frame(conn, HELLO_MAGIC, self._token.encode())
-            body = read_frame(conn, 1 + MAX_TEXT_BYTES + 256)
-            if body is None or not body:
-                raise ConnectionError("closed during the hello")
-            if body[:1] == ERR:
-                raise Unavailable(
-                    f"the daemon's local-call socket {self.path} refused this client: "
-                    f"{body[1:].decode('utf-8', 'replace')}"
-                )
-            if body[:1] != OK or body[1:].decode("utf-8", "replace") != self._node_id:
-                raise Unavailable(f"{self.path} is not the local-call socket of node {self._node_id}")
-            conn.settimeout(self._timeout_s)
-            return conn
-        except (OSError, ValueError) as exc:
-            conn.close()
-            raise Unavailable(f"cannot open the local-call socket {self.path}: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
-
-    def _take(self, fresh: bool) -> tuple[socket.socket, bool]:
-        """(a connection, whether it was idle in the pool); LocalCallClosed if none can be had."""
-        with self._lock:
-            if self._closed:
-                raise LocalCallClosed("the local channel is closed", sent=False)
-            if os.getpid() != self._pid:  # its frames would interleave with the parent's
-                raise LocalCallClosed("the local channel was opened by the parent of this process", sent=False)
-            if self._idle and not fresh:
-                return self._idle.pop(), True
-        try:
-            return self._connect(), False
-        except Unavailable as err:
-            raise LocalCallClosed(err.message, sent=False) from None
-
-    def _release(self, conn: socket.socket) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < CLIENT_POOL_CONNECTIONS:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def call(self, method: str, request: Any, reply_cls: Any, max_reply_bytes: int) -> Any:
-        """The reply to ``method(request)``; the daemon's typed error; DeadlineExceeded after
-        the channel's timeout; LocalCallClosed if the connection broke (``sent`` says whether
-        the daemon may have run the call). An idle connection found closed before the request
-        left is replaced once."""
-        head, payload = pack_call(method, request.SerializeToString())
-        for fresh in (False, True):
-            conn, reused = self._take(fresh)
-            sent = False
-            try:
-                send_frame(conn, head, payload)
-                sent = True
-                body = read_frame(conn, max_reply_bytes + 1)
-                if not body:
-                    raise ConnectionError("the daemon closed the connection before answering")
-            except TimeoutError:
-                conn.close()  # its answer may still come: the connection is out of step
-                raise DeadlineExceeded(
-                    f"the kvpool daemon did not answer {method} in {self._timeout_s} s", hint="is it overloaded?"
-                ) from None
-            except (OSError, ValueError) as exc:
-                conn.close()
-                if reused and not sent:
-                    continue
-                raise LocalCallClosed(f"local call {method} failed: {exc}", sent=sent) from None
-            except BaseException:
-                conn.close()
-                raise
-            self._release(conn)
-            if body[:1] == OK:
-                return reply_cls.FromString(body[1:])
-            raise unpack_error(body)
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            with contextlib.suppress(OSError):
-                conn.close()

@@ -77,7 +77,7 @@ class RpcMetrics:
         self.in_flight = Gauge(
             "kvpool_rpc_in_flight", "gRPC calls being handled now, by service.", ("service",), registry=registry
         )
-        self._in_flight = self.in_flight.labels(service)
+        self.in_flight.labels(service)  # the series exists (at 0) before the first call
         self._children: dict[tuple[str, str, str], Any] = {}  # (service, method, code) -> child (bounded labels)
 
     def interceptor(self) -> grpc.ServerInterceptor:
@@ -89,10 +89,11 @@ class RpcMetrics:
         """``inner`` wrapped so that each call is observed under ``method`` (and ``service``,
         default this one's: the daemon's same-host socket reports as ``pool-local``)."""
         service = service or self.service
+        in_flight = self.in_flight.labels(service)
 
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             started = time.perf_counter()
-            self._in_flight.inc()
+            in_flight.inc()
             code = "OK"
             try:
                 return inner(request, context)
@@ -100,7 +101,7 @@ class RpcMetrics:
                 code = _status_name(context, default="UNKNOWN")
                 raise
             finally:
-                self._in_flight.dec()
+                in_flight.dec()
                 if code == "OK":
                     code = _status_name(context, default="OK")
                 child = self._children.get((service, method, code))

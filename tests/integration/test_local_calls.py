@@ -6,11 +6,14 @@ stranger's bytes on the socket cost the daemon nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import pathlib
 import socket
 import stat
 import struct
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -22,10 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_auth import SPEC, TOKEN_A, TOKEN_B, write_credentials
 
-from kvpool import PoolClient
+from kvpool import AsyncPoolClient, PoolClient
 from kvpool.core.errors import PermissionDenied, Unavailable, UnknownNamespace
+from kvpool.daemon.local_calls import MAX_LOCAL_CONNECTIONS
 from kvpool.proto import pool_pb2
-from kvpool.rpc.local_call import HELLO_MAGIC, LocalCallClosed, LocalChannel, pack_call, read_frame, send_frame
+from kvpool.rpc.local_call import MAGIC, LocalCallClosed, pack_call, read_frame, send_frame
+from kvpool.rpc.local_channel import LocalChannel
 
 TOKENS = list(range(7000, 7000 + 16 * 8))
 
@@ -99,10 +104,12 @@ def test_the_local_socket_keeps_tenants_apart(daemon_factory: Any, tmp_path: pat
         with pytest.raises(PermissionDenied):
             b._local.call("Remove", request, pool_pb2.RemoveReply, 1 << 20)
         assert a.lookup(hashes) == 8
-        # a connection without a known token is refused at its hello
+        # a connection without a known token is refused at its hello (with A's key: the
+        # daemon proves itself to anyone with a key, the token decides)
         for token in ("", "kvp_not-a-token", TOKEN_A + "x"):
-            with pytest.raises(Unavailable, match="unauthenticated"):
-                LocalChannel.open(a._local.path, token, a.node_id, 5.0)
+            with pytest.raises(LocalCallClosed, match="unauthenticated") as info:
+                LocalChannel.open(a._local.path, a._local._key_id, a._local._key, token, a.node_id, 5.0)
+            assert not info.value.gone
         assert a.lookup(hashes) == 8
 
 
@@ -164,6 +171,135 @@ def test_a_forked_child_does_not_use_its_parents_connections(pool_daemon: Daemon
         assert os.waitpid(pid, 0)[1] == 0
 
 
+def test_a_request_larger_than_the_socket_buffer_is_answered(pool_daemon: DaemonHandle) -> None:
+    with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s", timeout_s=5.0) as client:
+        hashes = [os.urandom(16) for _ in range(20_000)]  # a 320 KB request
+        assert client._local is not None
+        assert client.lookup(hashes) == 0 and client._local is not None
+
+
+def test_a_squatter_on_a_stale_socket_name_gets_no_token(daemon_factory: Any, tmp_path: pathlib.Path) -> None:
+    """The daemon stops; another process binds its socket's name (the arena directory is
+    /dev/shm, writable by every user): the client's next call must not hand it the token,
+    nor take its answers."""
+    daemon = daemon_factory("--credentials", write_credentials(str(tmp_path)))
+    client = PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A, timeout_s=3.0)
+    try:
+        hashes = client.hashes(TOKENS[:64])
+        assert client.put(hashes, make_blocks(4, seed=7)).stored == 4
+        assert client._local is not None
+        path = client._local.path
+        assert daemon.stop() == 0 and not os.path.exists(path)
+        squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        squatter.bind(path)
+        squatter.listen(8)
+        squatter.settimeout(10.0)
+        heard: list[bytes] = []
+
+        def impostor() -> None:  # answers every hello with a made-up proof, records what follows
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = squatter.accept()
+                    with conn:
+                        conn.settimeout(3.0)
+                        heard.append(read_frame(conn, 1 << 10) or b"")
+                        send_frame(conn, b"K", os.urandom(32), struct.pack("<I", 1 << 20), daemon.address.encode())
+                        with contextlib.suppress(OSError, ValueError):
+                            heard.append(read_frame(conn, 1 << 12) or b"")
+
+        thread = threading.Thread(target=impostor, daemon=True)
+        thread.start()
+        with pytest.raises(Unavailable):  # the local socket is not the daemon's; gRPC finds no daemon
+            client.lookup(hashes)
+        assert client._local is None  # no more local calls until the next hello
+        squatter.close()
+        thread.join(10)
+        frames = [frame for frame in heard if frame]
+        assert frames and all(TOKEN_A.encode() not in frame for frame in frames)
+        assert all(frame.startswith(MAGIC) for frame in frames)  # it saw hellos, never a token
+    finally:
+        client.close()
+
+
+def test_a_busy_socket_sends_the_call_over_gRPC_and_keeps_the_channel(pool_daemon: DaemonHandle) -> None:
+    with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s") as client:
+        hashes = client.hashes(TOKENS[:64])
+        assert client.put(hashes, make_blocks(4, seed=8)).stored == 4
+        local = client._local
+        assert local is not None
+        mine = local._idle.pop()  # the channel's only connection, out of reach: a call needs a new one
+        holders = []
+        try:
+            for _ in range(MAX_LOCAL_CONNECTIONS):  # every other slot taken (no hello: held up to 2 s)
+                holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                holder.connect(local.path)
+                holders.append(holder)
+            assert client.lookup(hashes) == 4  # refused "busy" locally, answered over gRPC
+            assert client._local is local  # a passing refusal: the channel stays
+        finally:
+            for holder in holders:
+                holder.close()
+            local._release(mine)
+        assert client.lookup(hashes) == 4
+
+
+def test_a_trickled_hello_is_cut_off_at_its_deadline(pool_daemon: DaemonHandle) -> None:
+    with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s") as client:
+        assert client._local is not None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(client._local.path)
+        started = time.monotonic()
+        closed = False
+        with conn, contextlib.suppress(OSError):
+            for byte in hello():  # one byte every 0.3 s: each recv is quick, the whole is not
+                conn.send(bytes((byte,)))
+                time.sleep(0.3)
+                conn.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    if conn.recv(1) == b"":
+                        closed = True
+                        break
+                conn.setblocking(True)
+        assert closed or time.monotonic() - started < 8
+        assert time.monotonic() - started < 8  # well before 44 bytes x 0.3 s
+
+
+def test_sigterm_with_open_local_connections_exits_at_once(daemon_factory: Any) -> None:
+    daemon = daemon_factory()
+    client = PoolClient.connect(daemon.address, SPEC, salt=b"s")
+    try:
+        assert client._local is not None and client.lookup(client.hashes(TOKENS[:16])) == 0
+        started = time.monotonic()
+        assert daemon.stop() == 0
+        assert time.monotonic() - started < 4  # the idle connection does not hold the stop
+    finally:
+        client.close()
+
+
+def test_the_async_client_calls_over_the_local_socket_too() -> None:
+    metrics_address = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon("--metrics-listen", metrics_address)
+
+    async def run() -> None:
+        async with await AsyncPoolClient.connect(daemon.address, SPEC, salt=b"s") as client:
+            assert client._local is not None
+            hashes, blocks = client.hashes(TOKENS), make_blocks(8, seed=9)
+            assert (await client.put(hashes, blocks)).stored == 8
+            assert await client.lookup(hashes) == 8
+            assert (await client.get(hashes)).tobytes() == blocks.tobytes()
+            big = [os.urandom(16) for _ in range(20_000)]  # larger than the socket buffer
+            assert await client.lookup(big) == 0
+        async with await AsyncPoolClient.connect(daemon.address, SPEC, salt=b"s", local_calls=False) as client:
+            assert client._local is None and await client.lookup(hashes) == 8
+
+    try:
+        asyncio.run(run())
+        assert local_count(metrics_address, "Lookup") == 2 and local_count(metrics_address, "Lease") == 1
+        assert local_count(metrics_address, "Lookup", service="pool") == 1  # the gRPC-only client's
+    finally:
+        daemon.cleanup()
+
+
 # -- a stranger on the socket ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def victim() -> Any:
@@ -199,9 +335,9 @@ def exchange(path: str, chunks: list[bytes]) -> bytes:
     return answer
 
 
-def hello(token: str = "") -> bytes:
-    body = HELLO_MAGIC + token.encode()
-    return struct.pack("<I", len(body)) + body
+def hello() -> bytes:
+    body = MAGIC + os.urandom(32)  # any key id and nonce: the daemon proves itself, then wants a token
+    return struct.pack("<I", len(body)) + body + struct.pack("<I", 0)  # and an empty token
 
 
 def frame(*parts: bytes) -> bytes:
@@ -227,9 +363,10 @@ def test_a_strangers_bytes_get_typed_answers_or_a_closed_connection(
         chunks.append(frame(head, raw))
     chunks.append(garbage)
     answer = exchange(client._local.path, chunks)
-    if answer:  # every answer is a whole frame: OK / a typed error, or a refusal
+    while answer:  # every answer is a whole frame: a proof, OK / a typed error, or a refusal
         (size,) = struct.unpack_from("<I", answer)
-        assert answer[4 : 4 + 1] in (b"K", b"E") and size >= 1
+        assert answer[4 : 4 + 1] in (b"K", b"E") and 1 <= size <= len(answer) - 4
+        answer = answer[4 + size :]
     assert daemon.proc.poll() is None
 
 
@@ -238,8 +375,9 @@ def test_an_oversized_frame_is_refused_before_it_is_read(victim: Any) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(5.0)
     conn.connect(client._local.path)
-    send_frame(conn, HELLO_MAGIC)
-    assert read_frame(conn, 1 << 10) is not None  # admitted
+    conn.sendall(hello())
+    assert read_frame(conn, 1 << 13) is not None  # the proof
+    assert read_frame(conn, 1 << 10) == b"K"  # admitted (no credentials)
     conn.sendall(struct.pack("<I", 1 << 31))  # announces 2 GiB, sends none of it
     assert conn.recv(16) == b""  # closed at once
     conn.close()
