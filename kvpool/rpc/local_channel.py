@@ -42,8 +42,9 @@ MAX_CLIENT_CONNECTIONS = 16
 HELLO_TIMEOUT_S = 5.0
 
 
-class LocalChannel:
-    """Thread-safe; ``open`` makes the first connection (and so checks the daemon)."""
+class _Channel:
+    """What both channels keep: where the socket is, the Hello's key, the token, and the
+    connections' count; ``_request`` encodes a call within the daemon's frame limit."""
 
     def __init__(self, path: str, key_id: bytes, key: bytes, token: str, node_id: str, timeout_s: float) -> None:
         self.path = path
@@ -52,12 +53,31 @@ class LocalChannel:
         self._token = token.encode()
         self._node_id = node_id
         self._timeout_s = timeout_s
-        self._idle: list[socket.socket] = []
         self._open = 0  # connections open now, idle or carrying a call
-        self._lock = threading.Lock()
         self._closed = False
-        self._pid = os.getpid()  # a forked child shares these sockets: it must not use them
         self.max_request_bytes = 0  # what the daemon reads in one call (its proof says)
+
+    def _request(self, method: str, request: Any) -> bytes:
+        """The call's frame; LocalCallClosed (not sent) when it is over the daemon's limit."""
+        head, payload = pack_call(method, request.SerializeToString())
+        if self.max_request_bytes and len(head) + len(payload) > self.max_request_bytes:
+            raise LocalCallClosed(f"a {len(payload)}-byte {method} request is over the local limit", sent=False)
+        return frame(head, payload)
+
+    def _deadline_exceeded(self, method: str) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"the kvpool daemon did not answer {method} in {self._timeout_s} s", hint="is it overloaded?"
+        )
+
+
+class LocalChannel(_Channel):
+    """Thread-safe; ``open`` makes the first connection (and so checks the daemon)."""
+
+    def __init__(self, path: str, key_id: bytes, key: bytes, token: str, node_id: str, timeout_s: float) -> None:
+        super().__init__(path, key_id, key, token, node_id, timeout_s)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child shares these sockets: it must not use them
 
     @classmethod
     def open(cls, path: str, key_id: bytes, key: bytes, token: str, node_id: str, timeout_s: float) -> LocalChannel:
@@ -129,23 +149,19 @@ class LocalChannel:
         (``sent``: the daemon may have run it). An idle connection found closed before the
         request left is replaced once; a request larger than the daemon reads in one call
         is not sent here (gRPC answers it, with the same limit's error)."""
-        head, payload = pack_call(method, request.SerializeToString())
-        if self.max_request_bytes and len(head) + len(payload) > self.max_request_bytes:
-            raise LocalCallClosed(f"a {len(payload)}-byte {method} request is over the local limit", sent=False)
+        data = self._request(method, request)
         for fresh in (False, True):
             conn, reused = self._take(fresh)
             sent = False
             try:
-                send_frame(conn, head, payload)
+                conn.sendall(data)
                 sent = True
                 body = read_frame(conn, max_reply_bytes + 1)
                 if not body:
                     raise ConnectionError("the daemon closed the connection before answering")
             except TimeoutError:
                 self._forget(conn)  # its answer may still come: the connection is out of step
-                raise DeadlineExceeded(
-                    f"the kvpool daemon did not answer {method} in {self._timeout_s} s", hint="is it overloaded?"
-                ) from None
+                raise self._deadline_exceeded(method) from None
             except (OSError, ValueError) as exc:
                 self._forget(conn)
                 if reused and not sent:
@@ -170,21 +186,13 @@ class LocalChannel:
                 conn.close()
 
 
-class AsyncLocalChannel:
+class AsyncLocalChannel(_Channel):
     """The asyncio twin of ``LocalChannel`` for one event loop (``AsyncPoolClient``): the
     same hello, proof, limits and ``LocalCallClosed`` semantics, over asyncio streams."""
 
     def __init__(self, path: str, key_id: bytes, key: bytes, token: str, node_id: str, timeout_s: float) -> None:
-        self.path = path
-        self._key_id = key_id
-        self._key = key
-        self._token = token.encode()
-        self._node_id = node_id
-        self._timeout_s = timeout_s
+        super().__init__(path, key_id, key, token, node_id, timeout_s)
         self._idle: list[Stream] = []
-        self._open = 0
-        self._closed = False
-        self.max_request_bytes = 0
 
     @classmethod
     async def open(
@@ -243,23 +251,19 @@ class AsyncLocalChannel:
 
     async def call(self, method: str, request: Any, reply_cls: Any, max_reply_bytes: int) -> Any:
         """As ``LocalChannel.call``, awaited; a cancelled call closes its connection."""
-        head, payload = pack_call(method, request.SerializeToString())
-        if self.max_request_bytes and len(head) + len(payload) > self.max_request_bytes:
-            raise LocalCallClosed(f"a {len(payload)}-byte {method} request is over the local limit", sent=False)
+        data = self._request(method, request)
         for fresh in (False, True):
             (reader, writer), reused = await self._take(fresh)
             sent = False
             try:
-                writer.write(frame(head, payload))
+                writer.write(data)
                 await writer.drain()
                 sent = True
                 async with asyncio.timeout(self._timeout_s):
                     body = await read_frame_async(reader, max_reply_bytes + 1)
             except TimeoutError:
                 self._forget(writer)
-                raise DeadlineExceeded(
-                    f"the kvpool daemon did not answer {method} in {self._timeout_s} s", hint="is it overloaded?"
-                ) from None
+                raise self._deadline_exceeded(method) from None
             except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
                 self._forget(writer)
                 if reused and not sent:
