@@ -48,8 +48,8 @@ log = logging.getLogger("kvpool.client")
 
 class AsyncPoolClient:
     """The asyncio twin of ``PoolClient``: the same calls and semantics, awaited (control over the daemon's
-    same-host socket, or ``grpc.aio``; block copies through the mapped arena inline). Use one per event loop; ``async with await
-    AsyncPoolClient.connect(...)``.
+    same-host socket, or ``grpc.aio``; block copies through the mapped arena inline). Use one per event
+    loop; ``async with await AsyncPoolClient.connect(...)``.
     """
 
     def __init__(
@@ -75,6 +75,7 @@ class AsyncPoolClient:
         self._stub = pool_pb2_grpc.PoolStub(self._channel)
         self._use_local = local_calls
         self._local: AsyncLocalChannel | None = None  # opened after Hello when the daemon offers it
+        self._hello_lock = asyncio.Lock()
         self._arena: ArenaMapping | None = None
         self._pending_releases: list[int] = []
         self.node_id = ""
@@ -149,9 +150,10 @@ class AsyncPoolClient:
             log.info("control calls to %s go through gRPC: %s", self.address, err.message)
 
     async def _hello(self) -> None:
-        reply = await self._rpc("Hello", hello_request(self.namespace))
-        self._arena = attach_arena(self._arena, reply, self.spec, self._token)
-        await self._open_local(reply)
+        async with self._hello_lock:  # coroutines re-registering at once: one mapping, one channel
+            reply = await self._rpc("Hello", hello_request(self.namespace))
+            self._arena = attach_arena(self._arena, reply, self.spec, self._token)
+            await self._open_local(reply)
         self.node_id = reply.node_id
         self.max_batch_blocks = reply.max_batch_blocks
 

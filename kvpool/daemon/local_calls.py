@@ -10,8 +10,9 @@ the client closes. A call runs the service's own typed handler
 authentication, namespace checks and tenant gate as over gRPC. Only unary methods are
 served (the Events stream stays on gRPC).
 
-Bounded: at most ``max_connections`` connections at once (a further one is answered "busy"
-and closed: its client uses gRPC for that call); the hello and the token within one
+Bounded: at most ``max_connections`` connections at once, and with credentials at most
+``MAX_TENANT_CONNECTIONS`` of one tenant (a further one is answered "busy" and closed: its
+client uses gRPC for that call and asks again on a later one); the hello and the token within one
 ``HELLO_DEADLINE_S`` however slowly the bytes come; a frame larger than the service's request
 limit, a malformed frame or an unknown method closes the connection, logged at most once per
 interval. An accept that fails (no descriptors left) is logged and retried, never the end of
@@ -60,6 +61,8 @@ log = logging.getLogger("kvpool.local_calls")
 
 #: connections served at once (each holds a thread while open)
 MAX_LOCAL_CONNECTIONS = 128
+#: connections one tenant may hold (with credentials; a client opens at most 16)
+MAX_TENANT_CONNECTIONS = 32
 #: a connection must finish its hello and token within this long
 HELLO_DEADLINE_S = 2.0
 #: after a failed accept (e.g. no descriptors left), wait this long before the next
@@ -88,6 +91,7 @@ class LocalCallServer:
         socket_mode: int = 0o600,
         timer: Timer | None = None,
         max_connections: int = MAX_LOCAL_CONNECTIONS,
+        max_tenant_connections: int = MAX_TENANT_CONNECTIONS,
     ) -> None:
         """``methods``: the service's typed methods (the unary ones are served); ``keys``:
         those the service hands out in ``Hello``; ``timer``: how each call is observed for
@@ -106,6 +110,8 @@ class LocalCallServer:
         self._max_connections = max_connections
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._per_tenant: dict[str, int] = {}  # admitted connections by tenant (credential name)
+        self._max_tenant_connections = max_tenant_connections
         self._lock = threading.Lock()
         self._stopping = False
         self._refusals = RateLimitedLog(log, REFUSAL_LOG_INTERVAL_S)
@@ -117,13 +123,13 @@ class LocalCallServer:
         self._sock = listen_unix(self.path, self._socket_mode)
         supervisor.spawn("local-calls", self._accept_loop)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop accepting and reading new calls; wait up to ``grace_s`` for the calls in
-        flight to answer; remove the socket file."""
+    def close(self) -> None:
+        """Stop accepting and reading new calls (a call in flight still answers), remove the
+        socket file; ``join`` waits for those calls."""
         with self._lock:
             self._stopping = True
             sock, self._sock = self._sock, None
-            conns = dict(self._conns)
+            conns = list(self._conns)
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -131,11 +137,21 @@ class LocalCallServer:
         for conn in conns:  # a thread waiting for a call sees the end; one in a call answers it first
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RD)
-        deadline = time.monotonic() + grace_s
-        for thread in conns.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the connections' threads (after ``close``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._conns.values())
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """``close``, then ``join`` for up to ``grace_s``."""
+        self.close()
+        self.join(grace_s)
 
     @property
     def open_connections(self) -> int:
@@ -159,7 +175,7 @@ class LocalCallServer:
 
     def _admit(self, conn: socket.socket) -> None:
         thread = threading.Thread(target=self._connection, args=(conn,), name="kvpool-local", daemon=True)
-        with self._lock:
+        with self._lock:  # started under the lock: close() and join() never see an unstarted thread
             refused = (
                 "the daemon is stopping"
                 if self._stopping
@@ -168,15 +184,12 @@ class LocalCallServer:
                 else ""
             )
             if not refused:
-                self._conns[conn] = thread
-        if not refused:
-            try:
-                thread.start()
-                return
-            except RuntimeError as exc:  # no thread to be had now
-                with self._lock:
-                    del self._conns[conn]
-                refused = f"busy: cannot start a thread ({exc})"
+                try:
+                    thread.start()
+                    self._conns[conn] = thread
+                    return
+                except RuntimeError as exc:  # no thread to be had now
+                    refused = f"busy: cannot start a thread ({exc})"
         self._refuse(conn, refused)
         conn.close()
 
@@ -189,43 +202,61 @@ class LocalCallServer:
             conn.send(frame(b"E", reason.encode()))
 
     def _connection(self, conn: socket.socket) -> None:
+        tenant: str | None = None
         try:
-            admitted, metadata = self._hello(conn)
-            if admitted:
-                with self._lock:
-                    self.connections_served += 1
+            tenant, metadata = self._hello(conn)
+            if tenant is not None:
                 self._serve_calls(conn, metadata)
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             self._refusals.emit("bad", f"local calls: dropped a client ({type(exc).__name__}: {exc})")
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
+                if tenant is not None:
+                    self._per_tenant[tenant] -= 1
+                    if not self._per_tenant[tenant]:
+                        del self._per_tenant[tenant]
             conn.close()
 
-    def _hello(self, conn: socket.socket) -> tuple[bool, Metadata | None]:
-        """Prove the daemon, take the token: (admitted, the token's call metadata)."""
+    def _hello(self, conn: socket.socket) -> tuple[str | None, Metadata | None]:
+        """Prove the daemon, take the token: (the admitted connection's tenant, or None when
+        refused; the token's call metadata). With credentials one tenant holds at most
+        ``MAX_TENANT_CONNECTIONS`` connections, so no tenant can take the others' room."""
         deadline = time.monotonic() + HELLO_DEADLINE_S
         body = read_frame(conn, HELLO_BYTES, deadline)
         if body is None:
-            return False, None
+            return None, None
         key_id, nonce = unpack_hello(body)
         conn.settimeout(max(0.001, deadline - time.monotonic()))
         send_frame(conn, pack_proof(self._keys.key_of(key_id), nonce, self._max_frame_bytes, self._node_id))
         body = read_frame(conn, MAX_TOKEN_BYTES, deadline)
         if body is None:
-            return False, None
+            return None, None
         token = unpack_token(body)
-        if self._credentials is not None and (not token or self._credentials.identify(token) is None):
-            self._refuse(conn, "unauthenticated: no credential has this token")
-            return False, None
+        tenant = ""  # without credentials every caller is the same anonymous one
+        if self._credentials is not None:
+            principal = self._credentials.identify(token) if token else None
+            if principal is None:
+                self._refuse(conn, "unauthenticated: no credential has this token")
+                return None, None
+            tenant = principal.name
         try:
             metadata = call_metadata(token)
         except KVPoolError as err:
             self._refuse(conn, err.message)
-            return False, None
+            return None, None
+        with self._lock:
+            held = self._per_tenant.get(tenant, 0)
+            full = self._credentials is not None and held >= self._max_tenant_connections
+            if not full:
+                self._per_tenant[tenant] = held + 1
+                self.connections_served += 1
+        if full:
+            self._refuse(conn, f"busy: this tenant has {held} local connections open")
+            return None, None
         conn.settimeout(None)  # an idle client keeps its connection; stop() ends it
         send_frame(conn, OK)
-        return True, metadata
+        return tenant, metadata
 
     def _serve_calls(self, conn: socket.socket, metadata: Metadata | None) -> None:
         while True:

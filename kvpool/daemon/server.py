@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -183,11 +184,15 @@ class PoolServer:
         if self.handoff is not None:
             self.handoff.stop()  # before the supervisor joins its accept thread
         if self.local is not None:
-            self.local.stop(SHUTDOWN_GRACE_S)  # likewise; its calls in flight answer first
+            self.local.close()  # likewise; its calls in flight answer, joined below
         self.metrics.stop()  # ends its serve loop, which the supervisor joins
         self.supervisor.stop()
         self.node.events.close()
-        self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
+        done = self._server.stop(SHUTDOWN_GRACE_S)
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S + 1  # one grace for both kinds of calls in flight
+        if self.local is not None:
+            self.local.join(SHUTDOWN_GRACE_S)
+        done.wait(max(0.0, deadline - time.monotonic()))
         self.node.close()
         log.info("kvpool on %s stopped", self.config.listen)
 

@@ -78,12 +78,14 @@ class LocalCallClosed(Unavailable):
     """No local call could be made, or its connection broke. ``sent``: whether the request
     had been handed to the kernel (then the daemon may have run it: not safe to send again);
     ``gone``: the socket is not there or not the daemon's (its name is stale: the client
-    stops using it until its next ``Hello``), as against a passing refusal (busy)."""
+    stops using it until its next ``Hello``), as against a passing refusal (busy) or a
+    failure of this connection alone."""
 
-    def __init__(self, message: str, sent: bool, gone: bool = False) -> None:
+    def __init__(self, message: str, sent: bool, gone: bool = False, refused: bool = False) -> None:
         super().__init__(message, hint="the client uses gRPC instead; check that the daemon is running")
         self.sent = sent
         self.gone = gone
+        self.refused = refused  # the daemon refused this client's token: asking again will not help
 
 
 class LocalCallKeys:
@@ -229,7 +231,8 @@ def check_admitted(body: bytes | None, path: str) -> None:
     if not body:
         raise LocalCallClosed(f"{path} closed before admitting the token", sent=False)
     if body[:1] != OK:
-        raise LocalCallClosed(f"{path} refused this client: {body[1:].decode('utf-8', 'replace')}", sent=False)
+        reason = body[1:].decode("utf-8", "replace")
+        raise LocalCallClosed(f"{path} refused this client: {reason}", False, refused=not reason.startswith("busy"))
 
 
 def unpack_token(body: bytes) -> str:

@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from kvpool.core.errors import DeadlineExceeded
@@ -81,29 +82,37 @@ class LocalChannel(_Channel):
 
     @classmethod
     def open(cls, path: str, key_id: bytes, key: bytes, token: str, node_id: str, timeout_s: float) -> LocalChannel:
-        """A channel whose first connection checked the daemon's proof and was admitted;
-        LocalCallClosed if not."""
+        """A channel whose first connection checked the daemon's proof and was admitted, or
+        with no connection yet when the daemon refused it for now (busy: the next call
+        tries again); LocalCallClosed when the socket is gone or refuses this client's token."""
         channel = cls(path, key_id, key, token, node_id, timeout_s)
         with channel._lock:
             channel._open += 1
-        channel._release(channel._connect())
+        try:
+            channel._release(channel._connect())
+        except LocalCallClosed as err:
+            if err.gone or err.refused:
+                raise
         return channel
 
     def _connect(self) -> socket.socket:
         """A new admitted connection (the caller has counted it in ``_open``)."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn: socket.socket | None = None
         try:
-            conn.settimeout(min(self._timeout_s, HELLO_TIMEOUT_S))
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            deadline = time.monotonic() + min(self._timeout_s, HELLO_TIMEOUT_S)  # the whole hello
+            conn.settimeout(deadline - time.monotonic())
             with socket_address(self.path) as address:
                 conn.connect(address)
             nonce = os.urandom(NONCE_BYTES)
             send_frame(conn, MAGIC, self._key_id, nonce)
-            body = read_frame(conn, MAX_PROOF_FRAME_BYTES)
+            body = read_frame(conn, MAX_PROOF_FRAME_BYTES, deadline)
             if not body:
                 raise ConnectionError("closed during the hello")
             limit = check_proof(body, self._key, nonce, self._node_id, self.path)
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
             send_frame(conn, self._token)  # only to the daemon that proved itself
-            check_admitted(read_frame(conn, MAX_PROOF_FRAME_BYTES), self.path)
+            check_admitted(read_frame(conn, MAX_PROOF_FRAME_BYTES, deadline), self.path)
             conn.settimeout(self._timeout_s)
             self.max_request_bytes = limit
             return conn
@@ -117,8 +126,9 @@ class LocalChannel(_Channel):
             self._forget(conn)
             raise
 
-    def _forget(self, conn: socket.socket) -> None:
-        conn.close()
+    def _forget(self, conn: socket.socket | None) -> None:
+        if conn is not None:
+            conn.close()
         with self._lock:
             self._open -= 1
 
@@ -200,7 +210,11 @@ class AsyncLocalChannel(_Channel):
     ) -> AsyncLocalChannel:
         channel = cls(path, key_id, key, token, node_id, timeout_s)
         channel._open += 1
-        channel._release(await channel._connect())
+        try:
+            channel._release(await channel._connect())
+        except LocalCallClosed as err:  # as LocalChannel.open: a busy daemon is asked again later
+            if err.gone or err.refused:
+                raise
         return channel
 
     async def _connect(self) -> Stream:
@@ -256,10 +270,10 @@ class AsyncLocalChannel(_Channel):
             (reader, writer), reused = await self._take(fresh)
             sent = False
             try:
-                writer.write(data)
-                await writer.drain()
-                sent = True
                 async with asyncio.timeout(self._timeout_s):
+                    writer.write(data)
+                    await writer.drain()
+                    sent = True
                     body = await read_frame_async(reader, max_reply_bytes + 1)
             except TimeoutError:
                 self._forget(writer)

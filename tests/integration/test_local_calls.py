@@ -27,7 +27,7 @@ from test_auth import SPEC, TOKEN_A, TOKEN_B, write_credentials
 
 from kvpool import AsyncPoolClient, PoolClient
 from kvpool.core.errors import PermissionDenied, Unavailable, UnknownNamespace
-from kvpool.daemon.local_calls import MAX_LOCAL_CONNECTIONS
+from kvpool.daemon.local_calls import MAX_LOCAL_CONNECTIONS, MAX_TENANT_CONNECTIONS
 from kvpool.proto import pool_pb2
 from kvpool.rpc.local_call import MAGIC, LocalCallClosed, pack_call, read_frame, send_frame
 from kvpool.rpc.local_channel import LocalChannel
@@ -221,6 +221,23 @@ def test_a_squatter_on_a_stale_socket_name_gets_no_token(daemon_factory: Any, tm
         client.close()
 
 
+def hold(path: str, key_id: bytes = b"", key: bytes = b"", token: str = "") -> socket.socket | None:
+    """A raw connection the daemon admitted (with ``key``'s id and ``token``), or None if it
+    answered busy."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5.0)
+    conn.connect(path)
+    send_frame(conn, MAGIC, key_id or os.urandom(16), os.urandom(16))
+    if (read_frame(conn, 1 << 13) or b"E")[:1] != b"K":
+        conn.close()
+        return None
+    send_frame(conn, token.encode())
+    if read_frame(conn, 1 << 10) != b"K":
+        conn.close()
+        return None
+    return conn
+
+
 def test_a_busy_socket_sends_the_call_over_gRPC_and_keeps_the_channel(pool_daemon: DaemonHandle) -> None:
     with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s") as client:
         hashes = client.hashes(TOKENS[:64])
@@ -228,19 +245,44 @@ def test_a_busy_socket_sends_the_call_over_gRPC_and_keeps_the_channel(pool_daemo
         local = client._local
         assert local is not None
         mine = local._idle.pop()  # the channel's only connection, out of reach: a call needs a new one
-        holders = []
+        holders = [hold(local.path) for _ in range(MAX_LOCAL_CONNECTIONS - 1)]  # every other slot
         try:
-            for _ in range(MAX_LOCAL_CONNECTIONS):  # every other slot taken (no hello: held up to 2 s)
-                holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                holder.connect(local.path)
-                holders.append(holder)
+            assert all(holders) and hold(local.path) is None  # full
             assert client.lookup(hashes) == 4  # refused "busy" locally, answered over gRPC
             assert client._local is local  # a passing refusal: the channel stays
+            # a client that says hello now gets a channel with no connection yet, and uses it later
+            late = PoolClient.connect(pool_daemon.address, SPEC, salt=b"s")
+            assert late._local is not None and late._local._open == 0
+            assert late.lookup(hashes) == 4
         finally:
             for holder in holders:
-                holder.close()
+                if holder is not None:
+                    holder.close()
             local._release(mine)
-        assert client.lookup(hashes) == 4
+        time.sleep(0.2)  # the daemon's threads see the holders go
+        assert client.lookup(hashes) == 4 and late.lookup(hashes) == 4
+        assert late._local is not None and late._local._open == 1  # on the socket now
+        late.close()
+
+
+def test_one_tenant_cannot_take_every_local_connection(daemon_factory: Any, tmp_path: pathlib.Path) -> None:
+    daemon = daemon_factory("--credentials", write_credentials(str(tmp_path)))
+    with (
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-a", token=TOKEN_A) as a,
+        PoolClient.connect(daemon.address, SPEC, salt=b"salt-b", token=TOKEN_B) as b,
+    ):
+        assert a._local is not None and b._local is not None
+        path, key_id, key = b._local.path, b._local._key_id, b._local._key
+        held = [hold(path, key_id, key, TOKEN_B) for _ in range(MAX_TENANT_CONNECTIONS - 1)]  # B has one open
+        try:
+            assert all(held) and hold(path, key_id, key, TOKEN_B) is None  # B is at its share
+            other = LocalChannel.open(path, a._local._key_id, a._local._key, TOKEN_A, a.node_id, 5.0)
+            assert other._open == 1  # A still gets a connection
+            other.close()
+        finally:
+            for conn in held:
+                if conn is not None:
+                    conn.close()
 
 
 def test_a_trickled_hello_is_cut_off_at_its_deadline(pool_daemon: DaemonHandle) -> None:
