@@ -28,7 +28,7 @@ API: list[tuple[str, str, list[str]]] = [
             "kvpool.client.pool_client.PoolClient",
             "kvpool.client.async_client.AsyncPoolClient",
             "kvpool.client.cluster_client.ClusterClient",
-            "kvpool.client.pool_client.PutResult",
+            "kvpool.client.pool_common.PutResult",
             "kvpool.client.pool_client.StagedPut",
         ],
     ),

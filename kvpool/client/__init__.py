@@ -2,6 +2,7 @@
 
 from kvpool.client.admin import PoolAdmin
 from kvpool.client.async_client import AsyncPoolClient
-from kvpool.client.pool_client import PoolClient, PutResult
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.pool_common import PutResult
 
 __all__ = ["AsyncPoolClient", "PoolAdmin", "PoolClient", "PutResult"]

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from kvpool.client.blocks import read_rows, write_rows
-from kvpool.client.pool_client import (
+from kvpool.client.pool_common import (
     BUSY_BACKOFF_S,
     BUSY_RETRIES,
     DEFAULT_TIMEOUT_S,

@@ -47,7 +47,8 @@ import grpc
 import numpy as np
 
 from kvpool.client.blocks import block_rows
-from kvpool.client.pool_client import PoolClient, PutResult, hashes_request, hello_request
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.pool_common import PutResult, hashes_request, hello_request
 from kvpool.client.tickets import NodeTickets
 from kvpool.core.clock import Clock, MonotonicClock
 from kvpool.core.errors import (

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO_ROOT, DaemonHandle, free_port, writable_arena
 
 from kvpool import KVSpec, PoolClient
-from kvpool.client.pool_client import hello_request
+from kvpool.client.pool_common import hello_request
 from kvpool.core.checksum import checksum64
 from kvpool.core.errors import (
     CapacityExhausted,

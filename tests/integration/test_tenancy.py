@@ -21,7 +21,7 @@ from conftest import DaemonHandle
 
 from kvpool import KVSpec, PoolClient
 from kvpool.client.admin import PoolAdmin
-from kvpool.client.pool_client import hello_request
+from kvpool.client.pool_common import hello_request
 from kvpool.core.errors import InvalidArgument, KVPoolError, PermissionDenied
 from kvpool.core.events import KVEvent
 from kvpool.core.hashing import pack_hashes
