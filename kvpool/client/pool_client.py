@@ -8,10 +8,12 @@
         c.get_into(hashes[:n], out)       # into the caller's buffer
 
 Against a daemon with credentials pass ``token=`` (sent as ``authorization: Bearer``
-metadata on every call) and, where it serves TLS, ``tls_root_certs=`` (PEM bytes of the
-CA that signed its certificate); docs/security.md.
+metadata on every gRPC call, once per connection on the same-host socket) and, where it
+serves TLS, ``tls_root_certs=`` (PEM bytes of the CA that signed its certificate);
+docs/security.md.
 
-One control round trip per batch (gRPC on 127.0.0.1), one memcpy per block through
+One control round trip per batch (over the daemon's same-host Unix socket when it offers
+one, ``kvpool.rpc.local_call``; gRPC otherwise), one memcpy per block through
 the node's shared-memory arena, a checksum on each block at both ends. Releases of
 read leases ride on the next call (or ``close``); a lease never released expires after
 the daemon's lease TTL. A block that fails its checksum is a miss, never an exception.
