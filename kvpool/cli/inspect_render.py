@@ -39,6 +39,8 @@ STAT_ROWS = [
     ("expired_leases", "leases expired"),
     ("pending_puts", "puts in flight"),
     ("reclaimed_puts", "puts reclaimed (writer died)"),
+    ("local_connections_open", "same-host socket connections"),
+    ("local_connections_refused", "same-host socket refusals"),
 ]
 
 TIER_COLUMNS = (

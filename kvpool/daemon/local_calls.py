@@ -158,6 +158,15 @@ class LocalCallServer:
         with self._lock:
             return len(self._conns)
 
+    def summary(self) -> dict[str, int]:
+        """The socket's counters for ``Stats`` and ``/metrics``."""
+        with self._lock:
+            return {
+                "local_connections_open": len(self._conns),
+                "local_connections_served": self.connections_served,
+                "local_connections_refused": self.refused,
+            }
+
     def _accept_loop(self) -> None:
         while True:
             sock = self._sock

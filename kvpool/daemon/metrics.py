@@ -13,7 +13,7 @@ scrape is the same size whatever the traffic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -51,6 +51,12 @@ NODE_COUNTERS = (
     ("kvpool_removed_blocks", "removed", "Blocks removed on request (Remove, clear)."),
     ("kvpool_leases_expired", "expired_leases", "Read leases dropped at their TTL without a release."),
     ("kvpool_puts_reclaimed", "reclaimed_puts", "Puts reclaimed at their TTL (writer presumed dead)."),
+    ("kvpool_local_connections_admitted", "local_connections_served", "Same-host socket connections admitted."),
+    (
+        "kvpool_local_connections_refused",
+        "local_connections_refused",
+        "Same-host socket connections refused (busy, unknown token, stopping).",
+    ),
 )
 
 #: node-wide gauges: (metric name, stats key, help)
@@ -60,6 +66,7 @@ NODE_GAUGES = (
     ("kvpool_namespaces", "namespaces_total", "Namespaces registered now."),
     ("kvpool_namespaces_max", "namespaces_max", "Most namespaces registered at once (--max-namespaces)."),
     ("kvpool_event_seq", "last_event_seq", "Sequence number of the node's latest KV event."),
+    ("kvpool_local_connections", "local_connections_open", "Same-host socket connections open now (--local-calls)."),
 )
 
 #: per-tier counters, from each tier's summary: (metric name without _total, key, help)
@@ -143,8 +150,10 @@ def _tier_families(tiers: Mapping[str, Mapping[str, Any]]) -> Iterable[Family]:
 class NodeCollector(Collector):
     """Reads a ``PoolNode``'s counters each scrape (one store lock, one counters lock)."""
 
-    def __init__(self, node: PoolNode) -> None:
+    def __init__(self, node: PoolNode, extra: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """``extra``: more counters read at each scrape (the same-host socket's)."""
         self._node = node
+        self._extra = extra
 
     def collect(self) -> Iterator[Family]:
         node = self._node
@@ -155,6 +164,8 @@ class NodeCollector(Collector):
         stats["last_event_seq"] = node.events.last_seq
         stats["namespaces_total"] = len(node.namespaces())
         stats["namespaces_max"] = node.config.max_namespaces
+        if self._extra is not None:
+            stats.update(self._extra())
         yield from families_from_stats(stats)
 
 

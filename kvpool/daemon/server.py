@@ -94,7 +94,8 @@ class PoolServer:
                 socket_mode=config.arena_socket_mode,
             )
         # /metrics reads the node's own counters at scrape time (docs/metrics.md)
-        self.metrics = ServiceMetrics(NodeCollector(self.node), "pool")
+        self.local: LocalCallServer | None = None
+        self.metrics = ServiceMetrics(NodeCollector(self.node, self._local_summary), "pool")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
@@ -112,7 +113,6 @@ class PoolServer:
         )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
         methods = add_typed_service(self._server, service, pool_pb2, "Pool", limit)
-        self.local: LocalCallServer | None = None
         if local_path:
             rpc = self.metrics.rpc
             self.local = LocalCallServer(
@@ -125,8 +125,12 @@ class PoolServer:
                 socket_mode=config.arena_socket_mode,
                 timer=(lambda name, h: rpc.timed(name, h, service="pool-local")) if config.metrics_listen else None,
             )
+            service.local_summary = self.local.summary
         self._stopped = threading.Event()
         self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
+
+    def _local_summary(self) -> dict[str, int]:
+        return self.local.summary() if self.local is not None else {}
 
     def start(self) -> None:
         self.supervisor.install_stop_signals()

@@ -67,6 +67,12 @@ def test_a_same_host_client_calls_over_the_local_socket() -> None:
             assert client.pin(hashes[:2]) == 2
             assert client.remove(hashes[6:]) == 2
             assert client.lookup(hashes) == 6
+            stats = client.stats()
+            assert stats["local_socket"] == path and stats["local_connections_open"] >= 1
+            assert stats["local_connections_served"] >= 1 and stats["local_connections_refused"] == 0
+            with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            assert "kvpool_local_connections 1.0" in text and "kvpool_local_connections_admitted_total 1.0" in text
         # the calls went over the socket; Hello, which names it, over gRPC
         assert local_count(metrics_address, "Lookup") == 2
         assert local_count(metrics_address, "PutStart") == 1
