@@ -72,7 +72,7 @@ def ttft(engine: Engine, prompt: list[int], rid: str) -> tuple[float, int, int]:
     return req.ttft_s, req.hit_tokens, req.prefill_tokens_run
 
 
-def bench_ttft(address: str, lengths: list[int], repeats: int, codec: str = "") -> None:
+def bench_ttft(address: str, lengths: list[int], repeats: int, codec: str = "", local_calls: bool = True) -> None:
     """Each cached query is paired with a cold run of the same length just before it; the
     reported ratio is the median over repeats of (cached TTFT / its paired cold TTFT), so a
     burst of load from other processes on this shared machine hits both sides alike."""
@@ -89,7 +89,8 @@ def bench_ttft(address: str, lengths: list[int], repeats: int, codec: str = "") 
 
         wire_spec = compressed_spec(spec, codec)
         print(f"pool blocks compressed with {codec}: {wire_spec.block_bytes} bytes instead of {spec.block_bytes}")
-    with PoolClient.connect(address, wire_spec, salt=b"bench") as client:
+    with PoolClient.connect(address, wire_spec, salt=b"bench", local_calls=local_calls) as client:
+        print(f"control calls over {'the same-host socket' if client._local is not None else 'gRPC'}")
         cold_engine = Engine(model_config, config)
         pool: Any = client
         if codec:
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-ttft", "--kernels-only", action="store_true", help="run only the kernel part")
     parser.add_argument("--codec", choices=["", "int8", "fp8"], default="", help="compress pool blocks")
+    parser.add_argument(
+        "--grpc", action="store_true", help="control calls over gRPC, not the daemon's same-host socket"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop our daemon
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if not address:
             proc, address, arena = start_daemon(1 << 30)
         try:
-            bench_ttft(address, args.lengths, args.repeats, args.codec)
+            bench_ttft(address, args.lengths, args.repeats, args.codec, local_calls=not args.grpc)
         finally:
             if proc is not None:
                 os.kill(proc.pid, signal.SIGTERM)
