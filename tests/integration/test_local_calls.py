@@ -293,34 +293,38 @@ def test_one_tenant_cannot_take_every_local_connection(daemon_factory: Any, tmp_
 
 
 def test_a_trickled_hello_is_cut_off_at_its_deadline(pool_daemon: DaemonHandle) -> None:
+    """One byte every 0.3 s: each read is quick, the whole hello (44 bytes, 13 s) is not; the
+    daemon closes the connection before the last byte (its deadline is 2 s)."""
     with PoolClient.connect(pool_daemon.address, SPEC, salt=b"s") as client:
         assert client._local is not None
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(client._local.path)
-        started = time.monotonic()
-        closed = False
-        with conn, contextlib.suppress(OSError):
-            for byte in hello():  # one byte every 0.3 s: each recv is quick, the whole is not
-                conn.send(bytes((byte,)))
-                time.sleep(0.3)
-                conn.setblocking(False)
-                with contextlib.suppress(BlockingIOError):
-                    if conn.recv(1) == b"":
-                        closed = True
-                        break
+        closed_after = None
+        with conn:
+            for sent, byte in enumerate(hello()):
+                try:
+                    conn.send(bytes((byte,)))
+                    time.sleep(0.3)
+                    conn.setblocking(False)
+                    ended = conn.recv(1) == b""
+                except BlockingIOError:
+                    ended = False
+                except OSError:  # the daemon closed it: a reset or a broken pipe
+                    ended = True
                 conn.setblocking(True)
-        assert closed or time.monotonic() - started < 8
-        assert time.monotonic() - started < 8  # well before 44 bytes x 0.3 s
+                if ended:
+                    closed_after = sent
+                    break
+        assert closed_after is not None and closed_after < len(hello()) - 1
 
 
-def test_sigterm_with_open_local_connections_exits_at_once(daemon_factory: Any) -> None:
+def test_sigterm_with_open_local_connections_exits(daemon_factory: Any) -> None:
     daemon = daemon_factory()
     client = PoolClient.connect(daemon.address, SPEC, salt=b"s")
     try:
         assert client._local is not None and client.lookup(client.hashes(TOKENS[:16])) == 0
-        started = time.monotonic()
-        assert daemon.stop() == 0
-        assert time.monotonic() - started < 4  # the idle connection does not hold the stop
+        assert daemon.stop() == 0  # by SIGTERM, not killed after the stop timeout
+        assert not os.path.exists(client._local.path)
     finally:
         client.close()
 

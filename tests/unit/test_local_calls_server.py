@@ -85,6 +85,20 @@ def test_failed_accepts_are_retried(tmp_path: Path) -> None:
         supervisor.stop()
 
 
+def test_stop_ends_idle_connections_without_waiting_out_the_grace(tmp_path: Path) -> None:
+    server, supervisor = echo_server(tmp_path / "s.sock"), Supervisor()
+    server.start(supervisor)
+    conns = [admitted(tmp_path / "s.sock") for _ in range(3)]  # idle: waiting for a call
+    threads = list(server._conns.values())
+    assert len(threads) == 3
+    server.stop(60.0)
+    assert not any(thread.is_alive() for thread in threads)  # each saw the end, none was waited out
+    for conn in conns:
+        assert read_frame(conn, 64) is None
+        conn.close()
+    supervisor.stop()
+
+
 def test_stop_lets_a_call_in_flight_answer(tmp_path: Path) -> None:
     server, supervisor = echo_server(tmp_path / "s.sock", slow_s=0.5), Supervisor()
     server.start(supervisor)
