@@ -191,8 +191,8 @@ class PoolClient:
             try:
                 return local.call(method, request, REPLY_TYPES[method], MAX_MESSAGE_BYTES)
             except LocalCallClosed as err:
-                if err.gone:
-                    self._drop_local(local, err.message)
+                if err.gone and self._replace_local(None, only=local):
+                    log.warning("local calls to %s stopped (%s): gRPC until the next hello", self.address, err.message)
                 if err.sent:  # the node may have run it: not safe to send again
                     raise
         try:
@@ -203,40 +203,34 @@ class PoolClient:
             raise from_rpc_error(exc, self.address) from None
 
     def _open_local(self, reply: pool_pb2.HelloReply) -> None:
-        """Open the daemon's local-call socket if it offers one (after each Hello: a restarted
-        daemon has a new one, and a new key); if it cannot be opened, calls go through gRPC."""
-        if not (self._use_local and reply.local_socket):
-            return
-        try:
-            local = LocalChannel.open(
-                reply.local_socket, reply.local_key_id, reply.local_key, self._token, reply.node_id, self.timeout_s
-            )
-        except KVPoolError as err:
-            log.info("control calls to %s go through gRPC: %s", self.address, err.message)
-            return
+        """After each Hello, the daemon's local-call socket if it offers one (a restarted daemon
+        has a new one, and a new key), else none; the channel it replaces is closed. If it
+        cannot be opened, calls go through gRPC."""
+        local = None
+        if self._use_local and reply.local_socket:
+            try:
+                local = LocalChannel.open(
+                    reply.local_socket, reply.local_key_id, reply.local_key, self._token, reply.node_id, self.timeout_s
+                )
+            except KVPoolError as err:
+                log.info("control calls to %s go through gRPC: %s", self.address, err.message)
+        self._replace_local(local)
+
+    def _replace_local(self, local: LocalChannel | None, only: LocalChannel | None = None) -> bool:
+        """Make ``local`` the channel (None: gRPC only) and close the one it replaces; with
+        ``only``, just while that one is still the channel (another thread may have replaced
+        it since). Whether it replaced."""
         with self._lock:
-            old, self._local = self._local, local
+            old = self._local
+            if only is not None and old is not only:
+                return False
+            self._local = local
         if old is not None:
             old.close()
-
-    def _drop_local_quietly(self) -> None:
-        with self._lock:
-            local, self._local = self._local, None
-        if local is not None:
-            local.close()
-
-    def _drop_local(self, local: LocalChannel, why: str) -> None:
-        with self._lock:
-            dropped = self._local is local
-            if dropped:
-                self._local = None
-        if dropped:
-            log.warning("local calls to %s stopped (%s): using gRPC until the next hello", self.address, why)
-        local.close()
+        return True
 
     def _hello(self) -> None:
         with self._hello_lock:  # two threads re-registering at once must not both map the arena
-            self._drop_local_quietly()
             reply = self._rpc("Hello", hello_request(self.namespace))  # always gRPC: it names the socket
             self._arena = attach_arena(self._arena, reply, self.spec, self._token)
             self._open_local(reply)
@@ -495,7 +489,7 @@ class PoolClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-        self._drop_local_quietly()
+        self._replace_local(None)
         self._channel.close()
 
     def _release_later(self, lease_id: int) -> None:

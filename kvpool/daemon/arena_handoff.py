@@ -61,6 +61,15 @@ def listen_unix(path: str, mode: int, backlog: int = 64) -> socket.socket:
     return sock
 
 
+def reap_stale_sockets(directory: str) -> None:
+    """Remove the sockets (arena hand-off, local calls) of daemons that died without cleaning up."""
+    for path in pathlib.Path(directory).glob("kvpool-*-*.sock"):
+        parts = path.name.split("-")
+        if len(parts) == 3 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 class ArenaHandoff:
     def __init__(
         self,
@@ -87,17 +96,8 @@ class ArenaHandoff:
         self.handed_rw = 0
         self.refused = 0
 
-    @staticmethod
-    def reap_stale(directory: str) -> None:
-        """Remove the sockets of daemons that died without cleaning up."""
-        for path in pathlib.Path(directory).glob("kvpool-*-*.sock"):
-            parts = path.name.split("-")
-            if len(parts) == 3 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-
     def start(self, supervisor: Supervisor) -> None:
-        self.reap_stale(str(pathlib.Path(self.path).parent))
+        reap_stale_sockets(str(pathlib.Path(self.path).parent))
         self._sock = listen_unix(self.path, self._socket_mode)
         supervisor.spawn("arena-handoff", self._accept_loop)
 

@@ -36,7 +36,7 @@ from typing import Any
 from kvpool.core.auth import MAX_TOKEN_BYTES, Credentials
 from kvpool.core.errors import InternalError, KVPoolError
 from kvpool.core.supervisor import Supervisor
-from kvpool.daemon.arena_handoff import ArenaHandoff, listen_unix
+from kvpool.daemon.arena_handoff import listen_unix, reap_stale_sockets
 from kvpool.rpc.auth import Metadata, call_metadata
 from kvpool.rpc.errors import RateLimitedLog
 from kvpool.rpc.local_call import (
@@ -74,7 +74,7 @@ Timer = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 
 
 def local_socket_path(directory: str) -> str:
-    """A fresh socket name in ``directory``: the daemon's pid (for ``reap_stale``) and 64
+    """A fresh socket name in ``directory``: the daemon's pid (for ``reap_stale_sockets``) and 64
     random bits."""
     return str(pathlib.Path(directory) / f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:16]}.sock")
 
@@ -119,7 +119,7 @@ class LocalCallServer:
         self.refused = 0
 
     def start(self, supervisor: Supervisor) -> None:
-        ArenaHandoff.reap_stale(str(pathlib.Path(self.path).parent))
+        reap_stale_sockets(str(pathlib.Path(self.path).parent))
         self._sock = listen_unix(self.path, self._socket_mode)
         supervisor.spawn("local-calls", self._accept_loop)
 
@@ -152,11 +152,6 @@ class LocalCallServer:
         """``close``, then ``join`` for up to ``grace_s``."""
         self.close()
         self.join(grace_s)
-
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
 
     def summary(self) -> dict[str, int]:
         """The socket's counters for ``Stats`` and ``/metrics``."""

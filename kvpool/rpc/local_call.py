@@ -274,9 +274,6 @@ class LocalCallContext:
     def is_active(self) -> bool:
         return True
 
-    def peer(self) -> str:
-        return "unix:local"
-
     def error(self) -> KVPoolError:
         """The typed error an aborted call answers with."""
         code = ErrorCode.from_wire_name(self._trailing.get(CODE_KEY, ""))  # unknown: INTERNAL
