@@ -110,6 +110,7 @@ class LocalCallServer:
         self._max_connections = max_connections
         self._sock: socket.socket | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closing: list[threading.Thread] = []  # the connections' threads when close() began
         self._per_tenant: dict[str, int] = {}  # admitted connections by tenant (credential name)
         self._max_tenant_connections = max_tenant_connections
         self._lock = threading.Lock()
@@ -130,6 +131,9 @@ class LocalCallServer:
             self._stopping = True
             sock, self._sock = self._sock, None
             conns = list(self._conns)
+            # join waits for these even after they leave _conns: a thread that has popped
+            # itself is still closing its connection
+            self._closing = list(self._conns.values())
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -144,7 +148,7 @@ class LocalCallServer:
         """Wait up to ``timeout_s`` for the connections' threads (after ``close``)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            threads = list(self._conns.values())
+            threads = self._closing
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
