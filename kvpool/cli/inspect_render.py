@@ -41,6 +41,8 @@ STAT_ROWS = [
     ("reclaimed_puts", "puts reclaimed (writer died)"),
     ("local_connections_open", "same-host socket connections"),
     ("local_connections_refused", "same-host socket refusals"),
+    ("gc_full_collections", "full garbage collections"),
+    ("gc_full_pause_ms_max", "longest full GC pause (ms)"),
 ]
 
 TIER_COLUMNS = (

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(render_config(config, sources), end="")
         return 0
+    from kvpool.daemon.gc_pauses import GcFreezer
     from kvpool.daemon.server import PoolServer
 
     logging.basicConfig(
@@ -49,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
     # large call; 0.5 ms keeps a small call's wait small (docs/security.md, fairness)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     invariants.log_if_enabled(logging.getLogger("kvpool.serve"))
+    gc_freezer = GcFreezer(config.gc_full_interval_s) if config.gc_freeze else None
     try:
-        server = PoolServer(config)
+        server = PoolServer(config, gc_freezer)
         server.start()
     except KVPoolError as err:
         print(f"kvpool serve: {err}", file=sys.stderr)

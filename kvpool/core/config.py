@@ -200,6 +200,11 @@ class DaemonConfig:
     # also answer same-host unary calls over a Unix socket in arena_dir (same handlers, token
     # and tenant gate as gRPC; ~0.4 ms a paced lookup instead of gRPC's ~1.3 ms here): kvpool.rpc.local_call
     local_calls: bool = True
+    # keep the block index out of full garbage collections (kvpool.daemon.gc_pauses): after
+    # each one its survivors are frozen, and every gc_full_interval_s (0 = never) one whole
+    # pass reclaims cycles among them. Only ``kvpool serve`` applies it (GC is process-wide)
+    gc_freeze: bool = True
+    gc_full_interval_s: int = 3600
     # make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0): processes of its uid can then not
     # open /proc/PID/fd, /proc/PID/mem or ptrace it (no core dumps either); "auto" = on with credentials
     protect_process: str = "auto"
@@ -234,6 +239,8 @@ class DaemonConfig:
         _ = self.tenant_limits  # validates the --tenant-* limits (InvalidArgument)
         if self.tenant_data_inflight_bytes < 0 or self.tenant_data_transfers < 0:
             raise InvalidArgument("the --tenant-data-* limits must be >= 0")
+        if self.gc_full_interval_s < 0:
+            raise InvalidArgument("gc_full_interval_s must be >= 0 (0: never)")
         if not 0 <= self.arena_socket_mode <= 0o777 or self.arena_socket_mode & 0o111:
             raise InvalidArgument(f"arena_socket_mode {self.arena_socket_mode:o} is not a file mode like 600 or 660")
         if self.protect_process not in ("auto", "on", "off"):

@@ -345,6 +345,23 @@ OPTIONS: list[Option] = [
         "latency; clients that cannot reach it use gRPC: 'on' or 'off'. See docs/security.md.",
     ),
     Option(
+        "--gc-freeze",
+        "gc_freeze",
+        parse_on_off,
+        "keep the block index out of Python's full garbage collections: after each one, the "
+        "objects that survived it are frozen, so the next walks only newer ones (a filling pool "
+        "of a million blocks otherwise stalls ~0.2 s per full collection, more as it grows): "
+        "'on' or 'off'. See docs/operations.md.",
+    ),
+    Option(
+        "--gc-full-interval-s",
+        "gc_full_interval_s",
+        int,
+        "with --gc-freeze on, one collection over everything (frozen objects too) this often, to "
+        "reclaim reference cycles among objects that died after they were frozen; it pauses the "
+        "daemon as long as an unfrozen full collection (0 = never).",
+    ),
+    Option(
         "--protect-process",
         "protect_process",
         str,

@@ -24,6 +24,8 @@ from kvpool.core.errors import Unavailable
 from kvpool.core.supervisor import Supervisor
 from kvpool.core.tickets import TicketIssuer, new_secret
 from kvpool.daemon.arena_handoff import ArenaHandoff
+from kvpool.daemon.gc_pauses import TICK_MS as GC_TICK_MS
+from kvpool.daemon.gc_pauses import GcFreezer
 from kvpool.daemon.local_calls import LocalCallServer, local_socket_path
 from kvpool.daemon.metrics import NodeCollector
 from kvpool.daemon.node import PoolNode
@@ -61,8 +63,11 @@ def make_non_dumpable() -> None:
 class PoolServer:
     """A running daemon; ``start`` then ``wait`` (or ``stop``)."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, gc_freezer: GcFreezer | None = None) -> None:
+        """``gc_freezer``: the process's garbage-collector policy, from the process that owns the
+        daemon (``kvpool serve`` with ``--gc-freeze on``); a server embedded elsewhere has none."""
         self.config = config
+        self.gc_freezer = gc_freezer
         if config.process_protected:
             make_non_dumpable()  # before the tokens' hashes and the arena are in memory
         self.supervisor = Supervisor()
@@ -95,7 +100,7 @@ class PoolServer:
             )
         # /metrics reads the node's own counters at scrape time (docs/metrics.md)
         self.local: LocalCallServer | None = None
-        self.metrics = ServiceMetrics(NodeCollector(self.node, self._local_summary), "pool")
+        self.metrics = ServiceMetrics(NodeCollector(self.node, self._process_summary), "pool")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="kvpool-rpc"),
             options=server_options(config.max_message_bytes),
@@ -125,15 +130,23 @@ class PoolServer:
                 socket_mode=config.arena_socket_mode,
                 timer=(lambda name, h: rpc.timed(name, h, service="pool-local")) if config.metrics_listen else None,
             )
-            service.local_summary = self.local.summary
+        service.process_summary = self._process_summary
         self._stopped = threading.Event()
         self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
 
-    def _local_summary(self) -> dict[str, int]:
-        return self.local.summary() if self.local is not None else {}
+    def _process_summary(self) -> dict[str, Any]:
+        """The local-call socket's counters and the garbage collector's, for Stats and /metrics."""
+        summary: dict[str, Any] = {}
+        if self.local is not None:
+            summary.update(self.local.summary())
+        if self.gc_freezer is not None:
+            summary.update(self.gc_freezer.summary())
+        return summary
 
     def start(self) -> None:
         self.supervisor.install_stop_signals()
+        if self.gc_freezer is not None:
+            self.gc_freezer.start()  # its one whole pass before anyone is served
         try:
             if self._tls is not None:
                 port = self._server.add_secure_port(self.config.listen, self._tls)
@@ -162,6 +175,8 @@ class PoolServer:
             raise
         self._server.start()
         self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
+        if self.gc_freezer is not None:
+            self.supervisor.every("gc", GC_TICK_MS, self.gc_freezer.tick)
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_node import ClusterAgent  # cluster mode only
 
@@ -198,6 +213,8 @@ class PoolServer:
             self.local.join(SHUTDOWN_GRACE_S)
         done.wait(max(0.0, deadline - time.monotonic()))
         self.node.close()
+        if self.gc_freezer is not None:
+            self.gc_freezer.close()
         log.info("kvpool on %s stopped", self.config.listen)
 
     def wait(self) -> int:

@@ -139,7 +139,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         self.local_socket = local_socket
         self.local_keys = local_keys if local_keys is not None else LocalCallKeys()
         #: the same-host socket's counters, for Stats (set by the server that runs it)
-        self.local_summary: Callable[[], Mapping[str, int]] | None = None
+        # the process's own counters for Stats: the local-call socket's and the garbage collector's
+        self.process_summary: Callable[[], Mapping[str, Any]] | None = None
         self.credentials = credentials
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
@@ -395,8 +396,8 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
         summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
         summary["local_socket"] = self.local_socket  # same-host calls (kvpool.rpc.local_call); "" = off
-        if self.local_summary is not None:
-            summary.update(self.local_summary())
+        if self.process_summary is not None:
+            summary.update(self.process_summary())
         # per-tenant arena (docs/security.md): its segments' size (0 = one piece), and how many
         # times a segment got fresh memory for a new owner
         summary["arena_segment_bytes"] = getattr(self.node.arena, "segment_bytes", 0)

@@ -241,3 +241,25 @@ def test_second_daemon_on_a_busy_port_exits_1(pool_daemon: DaemonHandle, tmp_pat
         if second.poll() is None:
             os.kill(second.pid, signal.SIGTERM)
             second.wait(WAIT_S)
+
+
+def test_the_daemon_keeps_its_index_out_of_full_collections_unless_told_not_to(daemon_factory: Any) -> None:
+    """``kvpool serve`` freezes what survives a full collection (``--gc-freeze``, on by
+    default; kvpool.daemon.gc_pauses) and says so in Stats; ``off`` leaves the collector as
+    CPython has it. Blocks put before and after the freeze read back whole either way."""
+    frozen = daemon_factory()
+    plain = daemon_factory("--gc-freeze", "off")
+    for handle in (frozen, plain):
+        with PoolClient.connect(handle.address, SPEC) as client:
+            hashes = client.hashes(TOKENS)
+            blocks = make_blocks(len(hashes), seed=11)
+            assert client.put(hashes, blocks).stored == len(hashes)
+            out = np.zeros_like(blocks)
+            assert client.get_into(hashes, out) == len(hashes)
+            assert np.array_equal(out.view(np.uint16), blocks.view(np.uint16))
+    on, off = stats(frozen.address), stats(plain.address)
+    assert on["gc_frozen_objects"] > 10_000  # the daemon's modules and structures, at least
+    assert on["gc_full_pause_ms_max"] >= 0 and on["gc_full_collections"] >= 0
+    assert "gc_frozen_objects" not in off
+    frozen.proc.send_signal(signal.SIGTERM)
+    assert frozen.proc.wait(30) == 0
