@@ -1,0 +1,132 @@
+"""How long a filling pool stalls its callers: the daemon's full garbage collections with
+``--gc-freeze off`` (CPython's default) against ``on``, measured in the same run (ABAB).
+
+    python tools/bench_fill_pauses.py [--blocks 1048576] [--block-kib 4] [--rounds 2]
+
+Each round starts a daemon with room for ``--blocks`` blocks and fills it with puts of
+``--per-put`` blocks from one client, while a second client sends a 64-block lookup every
+``--probe-ms``. A full collection walks every index entry with the interpreter lock held, so
+every call waits it out: it shows as the slowest puts and lookups. Printed per setting: the
+puts' and lookups' median, p99 and max (ms), and the daemon's own longest full collection
+(``Stats`` ``gc_full_pause_ms_max``; with ``off`` the daemon does not time them). The rest of
+the slowest calls are the index's dict growing (each doubling copies it), which neither
+setting changes. Target (docs/benchmarks.md): with ``on`` the p99 put is at most 0.5x of ``off``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pool import free_port, key_hashes
+
+from kvpool import KVSpec, PoolClient
+from kvpool.client.admin import PoolAdmin
+
+MARGIN_BYTES = 512 << 20
+
+
+def start_daemon(capacity_bytes: int, gc_freeze: str) -> tuple[subprocess.Popen[bytes], str]:
+    address = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--log-level", "WARNING"]
+    argv += ["--capacity-bytes", str(capacity_bytes), "--gc-freeze", gc_freeze]
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with PoolAdmin(address) as admin:
+                admin.stats()
+            return proc, address
+        except Exception:  # not up yet
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"daemon did not start: {' '.join(argv)}")
+
+
+def probe(address: str, spec: KVSpec, every_s: float, stop: threading.Event, out: list[float]) -> None:
+    """A second client's paced lookups for the whole fill (what a serving engine's scheduler sends)."""
+    with PoolClient.connect(address, spec, salt=b"fill") as client:
+        hashes = key_hashes(0, spec.block_bytes, 64)
+        while not stop.wait(every_s):
+            t0 = time.perf_counter()
+            client.lookup(hashes)
+            out.append(time.perf_counter() - t0)
+
+
+def fill(args: argparse.Namespace, gc_freeze: str) -> dict[str, float]:
+    block_bytes = args.block_kib * 1024
+    # K and V of 16 tokens of one fp16 head: 64 bytes per head_dim
+    head_dim = block_bytes // 64
+    spec = KVSpec(model="fill", num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype="float16", block_tokens=16)
+    assert spec.block_bytes == block_bytes, spec.block_bytes
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 255, args.per_put * block_bytes, dtype=np.uint8).view(np.float16)
+    src = src.reshape(args.per_put, *spec.block_shape)
+    proc, address = start_daemon(args.blocks * block_bytes + MARGIN_BYTES, gc_freeze)
+    puts: list[float] = []
+    lookups: list[float] = []
+    try:
+        stop = threading.Event()
+        prober = threading.Thread(target=probe, args=(address, spec, args.probe_ms / 1000, stop, lookups))
+        with PoolClient.connect(address, spec, salt=b"fill") as client:
+            prober.start()
+            try:
+                for i in range(args.blocks // args.per_put):
+                    hashes = key_hashes(1 + i, block_bytes, args.per_put)
+                    t0 = time.perf_counter()
+                    stored = client.put(hashes, src).stored
+                    puts.append(time.perf_counter() - t0)
+                    assert stored == args.per_put, stored
+            finally:
+                stop.set()
+                prober.join()
+        with PoolAdmin(address) as admin:
+            stats = admin.stats()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {
+        "put_median": statistics.median(puts) * 1e3,
+        "put_p99": float(np.percentile(puts, 99)) * 1e3,
+        "put_max": max(puts) * 1e3,
+        "lookup_median": statistics.median(lookups) * 1e3,
+        "lookup_p99": float(np.percentile(lookups, 99)) * 1e3,
+        "lookup_max": max(lookups) * 1e3,
+        "fill_s": sum(puts),
+        "gc_pause_max": float(stats.get("gc_full_pause_ms_max", float("nan"))),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=1 << 20, help="blocks the pool is filled with")
+    parser.add_argument("--block-kib", type=int, default=4, help="block size in KiB")
+    parser.add_argument("--per-put", type=int, default=4096, help="blocks per put")
+    parser.add_argument("--probe-ms", type=float, default=5.0, help="pace of the second client's lookups")
+    parser.add_argument("--rounds", type=int, default=2, help="ABAB rounds (off, on)")
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    for _ in range(args.rounds):
+        for setting in ("off", "on"):
+            runs[setting].append(fill(args, setting))
+    keys = ("put_median", "put_p99", "put_max", "lookup_median", "lookup_p99", "lookup_max", "fill_s", "gc_pause_max")
+    print(f"# fill {args.blocks} blocks of {args.block_kib} KiB, {args.per_put} per put; figures in ms (fill_s: s)")
+    print(f"{'--gc-freeze':12s}" + "".join(f"{k:>14s}" for k in keys))
+    for setting, results in runs.items():
+        for r in results:
+            print(f"{setting:12s}" + "".join(f"{r[k]:14.1f}" for k in keys))
+    for key in ("put_p99", "put_max", "lookup_p99", "lookup_max"):
+        ratios = [on[key] / off[key] for on, off in zip(runs["on"], runs["off"], strict=True)]
+        print(f"# {key} on / off: " + ", ".join(f"{r:.2f}x" for r in ratios))
+
+
+if __name__ == "__main__":
+    main()
