@@ -99,6 +99,40 @@ def test_stop_ends_idle_connections_without_waiting_out_the_grace(tmp_path: Path
     supervisor.stop()
 
 
+class SlowClose:
+    """An accepted connection whose close takes a while (a kernel that is slow to let go)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def close(self) -> None:
+        time.sleep(0.3)
+        self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_stop_waits_for_a_connection_that_has_left_the_table_but_is_still_closing(tmp_path: Path) -> None:
+    server, supervisor = echo_server(tmp_path / "s.sock"), Supervisor()
+    admit = server._admit
+    server._admit = lambda conn: admit(SlowClose(conn))  # type: ignore[method-assign,arg-type]
+    close = server.close
+
+    def close_then_pause() -> None:  # the thread sees the end and leaves _conns before join looks
+        close()
+        time.sleep(0.1)
+
+    server.close = close_then_pause  # type: ignore[method-assign]
+    server.start(supervisor)
+    conn = admitted(tmp_path / "s.sock")
+    threads = list(server._conns.values())
+    server.stop(60.0)  # the thread leaves _conns at once, then spends 0.3 s closing
+    assert not any(thread.is_alive() for thread in threads)
+    conn.close()
+    supervisor.stop()
+
+
 def test_stop_lets_a_call_in_flight_answer(tmp_path: Path) -> None:
     server, supervisor = echo_server(tmp_path / "s.sock", slow_s=0.5), Supervisor()
     server.start(supervisor)
