@@ -42,7 +42,8 @@ STAT_ROWS = [
     ("local_connections_open", "same-host socket connections"),
     ("local_connections_refused", "same-host socket refusals"),
     ("gc_full_collections", "full garbage collections"),
-    ("gc_full_pause_ms_max", "longest full GC pause (ms)"),
+    ("gc_full_pause_seconds_max", "longest full GC pause (s)"),
+    ("gc_whole_passes", "whole GC passes (frozen too)"),
 ]
 
 TIER_COLUMNS = (

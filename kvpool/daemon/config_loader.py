@@ -359,7 +359,8 @@ OPTIONS: list[Option] = [
         int,
         "with --gc-freeze on, one collection over everything (frozen objects too) this often, to "
         "reclaim reference cycles among objects that died after they were frozen; it pauses the "
-        "daemon as long as an unfrozen full collection (0 = never).",
+        "daemon as long as an unfrozen full collection, and is logged. 0 = never: memory held by "
+        "such cycles then grows without bound. Ignored with --gc-freeze off.",
     ),
     Option(
         "--protect-process",

@@ -15,19 +15,24 @@ freezing it collects the young generations, so fresh garbage cycles die instead 
 frozen.
 
 What it gives up: a reference cycle among objects that were alive when frozen and died later
-is not reclaimed until the next whole pass, every ``full_interval_s`` (0 = never), which
-unfreezes everything and collects once (one pause of the old length, at a known rate). Such
-cycles are rare in the daemon (per-connection state of clients that left); the index has none.
+is not reclaimed until the next whole pass, every ``full_interval_s``, which unfreezes
+everything and collects once (one pause of the old length, at a known rate, logged). Such
+cycles are rare in the daemon (per-connection state of clients that left); the index has
+none. With ``full_interval_s`` 0 they are never reclaimed: memory held by them then grows
+without bound, slowly.
 
 GC is process-wide state, so only the process that owns the daemon (``kvpool serve``)
 creates one of these and hands it to ``PoolServer``; a server embedded in another program
-(tests, an engine) leaves that program's collector alone.
+leaves that program's collector alone. ``close`` and the whole pass unfreeze the whole
+process, also what its program froze itself. Written for CPython 3.11's generational
+collector (3.12 and 3.13 have the same); a warning is logged on a later version.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,10 +43,12 @@ log = logging.getLogger("kvpool.gc")
 #: how often the daemon looks for a full collection that ran since it last looked
 TICK_MS = 1000
 FULL_GENERATION = 2
+#: below this a whole pass comes often enough to be a stall operators would notice
+SHORT_INTERVAL_S = 60
 
 
 class GcFreezer:
-    """Freeze the survivors of each full collection; record how long full collections took.
+    """Freeze the survivors of each full collection; time CPython's full collections.
 
     ``start`` installs it (one whole pass, then the first freeze), ``tick`` (every ``TICK_MS``
     from the daemon's supervisor) freezes after a full collection and runs the whole pass
@@ -52,23 +59,45 @@ class GcFreezer:
             raise ValueError(f"full_interval_s must be >= 0, not {full_interval_s}")
         self.full_interval_s = full_interval_s
         self._clock = clock
-        self._lock = threading.Lock()  # tick (supervisor thread) against summary (a Stats call)
+        # tick (supervisor thread) against summary (a Stats call); never held across a
+        # collection, so a finalizer that reads the summary cannot deadlock
+        self._lock = threading.Lock()
         self._seen_full = 0
         self._last_whole_pass = 0.0
-        self._pause_started = 0.0
-        self.full_collections = 0  # full collections since start (CPython's own and whole passes)
+        self._pause_started: float | None = None
+        self._in_whole_pass = False
+        self.frozen_objects = 0  # counted at each freeze: counting walks them all (~10 ms a million)
+        self.full_collections = 0  # CPython's own full collections since start
+        self.last_full_pause_s = 0.0
+        self.max_full_pause_s = 0.0
         self.freezes = 0
         self.whole_passes = 0
-        self.last_full_pause_ms = 0.0
-        self.max_full_pause_ms = 0.0
+        self.last_whole_pass_s = 0.0
+        self.last_whole_pass_collected = 0
 
     def start(self) -> None:
         """A whole pass now (start-up's garbage dies), then freeze what is left: the modules,
         the daemon's own structures and the index the disk tier may have loaded. Called before
-        the daemon serves; this first pass is not counted among the pauses."""
-        self._whole_pass(self._clock())
+        the daemon serves; this first pass is not counted as a pause."""
+        if sys.version_info >= (3, 14):
+            log.warning("gc: --gc-freeze was written for CPython 3.11-3.13's collector; this is %s", sys.version)
+        if self.full_interval_s == 0:
+            log.warning(
+                "gc: --gc-full-interval-s 0: reference cycles among frozen objects are never reclaimed "
+                "(memory they hold grows without bound)"
+            )
+        elif self.full_interval_s < SHORT_INTERVAL_S:
+            log.warning(
+                "gc: a whole collection every %s s pauses the daemon that often, as long as one without "
+                "--gc-freeze (~0.2 s a million blocks)",
+                self.full_interval_s,
+            )
+        self._whole_pass(self._clock(), first=True)
         gc.callbacks.append(self._on_gc)
-        log.info("gc: full collections walk only objects newer than the last one (--gc-freeze)")
+        log.info(
+            "gc: full collections walk only objects newer than the last one (--gc-freeze); whole pass every %s",
+            f"{self.full_interval_s} s" if self.full_interval_s else "never",
+        )
 
     def close(self) -> None:
         """Stop timing collections and unfreeze (the next full collection walks everything)."""
@@ -77,51 +106,89 @@ class GcFreezer:
         gc.unfreeze()
 
     def tick(self) -> None:
-        """Freeze after a full collection CPython ran; the whole pass when it is due."""
+        """Freeze after a full collection CPython ran; the whole pass when it is due. A
+        collection another thread has in progress makes ``gc.collect`` return at once without
+        collecting: then nothing is frozen or counted, and the next tick tries again."""
         now = self._clock()
+        if self.full_interval_s and now - self._last_whole_pass >= self.full_interval_s:
+            self._whole_pass(now)
+            return
+        full = _collections(FULL_GENERATION)
+        if full == self._seen_full:
+            return
+        young = _collections(FULL_GENERATION - 1)
+        gc.collect(FULL_GENERATION - 1)  # young garbage cycles die rather than being frozen
+        if _collections(FULL_GENERATION - 1) == young:
+            return  # another thread is collecting: try again next tick
+        gc.freeze()
+        frozen = gc.get_freeze_count()
         with self._lock:
-            if self.full_interval_s and now - self._last_whole_pass >= self.full_interval_s:
-                self._whole_pass(now)
-                return
-            full = _full_collections()
-            if full == self._seen_full:
-                return
-            gc.collect(FULL_GENERATION - 1)  # young garbage cycles die rather than being frozen
-            gc.freeze()
             self.freezes += 1
-            self._seen_full = _full_collections()
+            self.frozen_objects = frozen
+            self._seen_full = _collections(FULL_GENERATION)
 
     def summary(self) -> dict[str, Any]:
-        """For ``Stats`` and ``/metrics``."""
+        """For ``Stats`` and ``/metrics`` (cheap: nothing here walks the heap)."""
         with self._lock:
             return {
-                "gc_frozen_objects": gc.get_freeze_count(),
+                "gc_frozen_objects": self.frozen_objects,
                 "gc_full_collections": self.full_collections,
-                "gc_full_pause_ms_last": round(self.last_full_pause_ms, 3),
-                "gc_full_pause_ms_max": round(self.max_full_pause_ms, 3),
+                "gc_full_pause_seconds_last": round(self.last_full_pause_s, 6),
+                "gc_full_pause_seconds_max": round(self.max_full_pause_s, 6),
+                "gc_whole_passes": self.whole_passes,
+                "gc_whole_pass_seconds_last": round(self.last_whole_pass_s, 6),
             }
 
-    def _whole_pass(self, now: float) -> None:
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
-        self.whole_passes += 1
-        self.freezes += 1
-        self._last_whole_pass = now
-        self._seen_full = _full_collections()
+    def _whole_pass(self, now: float, first: bool = False) -> None:
+        """Unfreeze, collect everything, freeze again. If another thread's collection is in
+        progress nothing was collected: not counted, and the next tick tries again."""
+        before = _collections(FULL_GENERATION)
+        started = time.perf_counter()
+        self._in_whole_pass = True
+        try:
+            gc.unfreeze()
+            collected = gc.collect()
+            gc.freeze()
+        finally:
+            self._in_whole_pass = False
+        took_s = time.perf_counter() - started
+        ran = _collections(FULL_GENERATION) != before
+        frozen = gc.get_freeze_count()
+        with self._lock:
+            self.frozen_objects = frozen
+            self._seen_full = _collections(FULL_GENERATION)
+            if not ran:
+                return
+            self.freezes += 1
+            self._last_whole_pass = now
+            if first:
+                return
+            self.whole_passes += 1
+            self.last_whole_pass_s = took_s
+            self.last_whole_pass_collected = collected
+        log.info(
+            "gc: whole pass over %d objects took %.3f s and reclaimed %d (cycles that died while frozen)",
+            frozen,
+            took_s,
+            collected,
+        )
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        """``gc.callbacks``: time full collections (runs inside the collector: no locks, no GC)."""
-        if info.get("generation") != FULL_GENERATION:
+        """``gc.callbacks``: time CPython's own full collections (runs inside the collector:
+        no locks). A "stop" without its "start" (installed mid-collection) is ignored."""
+        if info.get("generation") != FULL_GENERATION or self._in_whole_pass:
             return
         if phase == "start":
             self._pause_started = time.perf_counter()
             return
-        pause_ms = (time.perf_counter() - self._pause_started) * 1000.0
+        started, self._pause_started = self._pause_started, None
+        if started is None:
+            return
+        pause_s = time.perf_counter() - started
         self.full_collections += 1
-        self.last_full_pause_ms = pause_ms
-        self.max_full_pause_ms = max(self.max_full_pause_ms, pause_ms)
+        self.last_full_pause_s = pause_s
+        self.max_full_pause_s = max(self.max_full_pause_s, pause_s)
 
 
-def _full_collections() -> int:
-    return int(gc.get_stats()[FULL_GENERATION]["collections"])
+def _collections(generation: int) -> int:
+    return int(gc.get_stats()[generation]["collections"])

@@ -57,7 +57,8 @@ NODE_COUNTERS = (
         "local_connections_refused",
         "Same-host socket connections refused (busy, unknown token, stopping).",
     ),
-    ("kvpool_gc_full_collections", "gc_full_collections", "Full garbage collections since start (--gc-freeze)."),
+    ("kvpool_gc_full_collections", "gc_full_collections", "CPython's own full garbage collections (--gc-freeze)."),
+    ("kvpool_gc_whole_passes", "gc_whole_passes", "Collections over frozen objects too (--gc-full-interval-s)."),
 )
 
 #: node-wide gauges: (metric name, stats key, help)
@@ -69,8 +70,9 @@ NODE_GAUGES = (
     ("kvpool_event_seq", "last_event_seq", "Sequence number of the node's latest KV event."),
     ("kvpool_local_connections", "local_connections_open", "Same-host socket connections open now (--local-calls)."),
     ("kvpool_gc_frozen_objects", "gc_frozen_objects", "Objects kept out of full garbage collections (--gc-freeze)."),
-    ("kvpool_gc_full_pause_last_ms", "gc_full_pause_ms_last", "The latest full garbage collection's pause."),
-    ("kvpool_gc_full_pause_max_ms", "gc_full_pause_ms_max", "The longest full garbage collection since start."),
+    ("kvpool_gc_full_pause_last_seconds", "gc_full_pause_seconds_last", "The latest full collection's pause."),
+    ("kvpool_gc_full_pause_max_seconds", "gc_full_pause_seconds_max", "The longest full collection's pause."),
+    ("kvpool_gc_whole_pass_last_seconds", "gc_whole_pass_seconds_last", "The latest whole pass's length."),
 )
 
 #: per-tier counters, from each tier's summary: (metric name without _total, key, help)

@@ -145,8 +145,6 @@ class PoolServer:
 
     def start(self) -> None:
         self.supervisor.install_stop_signals()
-        if self.gc_freezer is not None:
-            self.gc_freezer.start()  # its one whole pass before anyone is served
         try:
             if self._tls is not None:
                 port = self._server.add_secure_port(self.config.listen, self._tls)
@@ -164,6 +162,8 @@ class PoolServer:
             raise Unavailable(
                 f"cannot listen on {self.config.listen}: {reason}", hint="pick a free port with --listen 127.0.0.1:PORT"
             )
+        if self.gc_freezer is not None:
+            self.gc_freezer.start()  # its whole pass before anyone is served; stop() undoes it
         if self.handoff is not None:
             self.handoff.start(self.supervisor)
         if self.local is not None:

@@ -1,16 +1,19 @@
 """``kvpool.daemon.gc_pauses.GcFreezer`` in this process: the survivors of a full collection
 are frozen (later full collections skip them), young garbage cycles are collected rather than
-frozen, the whole pass every ``full_interval_s`` reclaims a cycle that died while frozen, full
-pauses are timed, and ``close`` gives the collector back."""
+frozen, the whole pass every ``full_interval_s`` reclaims a cycle that died while frozen (and
+is tried again when another collection kept it from running), full pauses are timed, and
+``close`` gives the collector back."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 from collections.abc import Iterator
 
 import pytest
 
+from kvpool.daemon import gc_pauses
 from kvpool.daemon.gc_pauses import GcFreezer
 
 
@@ -40,15 +43,19 @@ def test_start_freezes_what_is_alive_and_a_later_full_collection_is_frozen_too(c
     freezer.start()
     try:
         frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert frozen > 0 and freezer.summary()["gc_frozen_objects"] == frozen
         kept = [Node() for _ in range(1000)]  # alive, newer than the freeze
         freezer.tick()  # no full collection ran since: nothing more is frozen
-        assert gc.get_freeze_count() <= frozen
+        assert gc.get_freeze_count() <= frozen and freezer.freezes == 1
         gc.collect()  # a full collection (CPython runs these on its own)
-        assert freezer.summary()["gc_full_collections"] >= 1
+        summary = freezer.summary()
+        assert summary["gc_full_collections"] >= 1
+        assert 0.0 < summary["gc_full_pause_seconds_max"] < 60.0
+        assert summary["gc_full_pause_seconds_last"] <= summary["gc_full_pause_seconds_max"]
         freezer.tick()
         assert gc.get_freeze_count() >= frozen + len(kept)
-        assert freezer.summary()["gc_full_pause_ms_max"] >= 0.0
+        assert freezer.freezes == 2 and freezer.summary()["gc_frozen_objects"] >= frozen + len(kept)
+        assert freezer.summary()["gc_whole_passes"] == 0  # the start's pass is not one
     finally:
         freezer.close()
     assert gc.get_freeze_count() == 0
@@ -83,6 +90,9 @@ def test_a_cycle_that_died_while_frozen_is_reclaimed_by_the_whole_pass(clock: Cl
         freezer.tick()  # the whole pass is due
         assert dead() is None
         assert gc.get_freeze_count() > 0  # and what lives is frozen again
+        summary = freezer.summary()
+        assert summary["gc_whole_passes"] == 1 and summary["gc_whole_pass_seconds_last"] > 0
+        assert freezer.last_whole_pass_collected >= 1
     finally:
         freezer.close()
 
@@ -106,3 +116,42 @@ def test_never_a_whole_pass_with_interval_zero(clock: Clock) -> None:
 def test_a_negative_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="full_interval_s"):
         GcFreezer(-1)
+
+
+def test_a_whole_pass_kept_from_running_is_not_counted_and_is_tried_again(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    freezer = GcFreezer(60, clock)
+    freezer.start()
+    try:
+        node = Node()
+        dead = weakref.ref(node)
+        freezer.tick()
+        gc.freeze()  # as a freeze would: node is frozen alive
+        del node
+        clock.now += 60
+        with monkeypatch.context() as patch:
+            # gc.collect while another thread's collection is in progress: returns 0, collects nothing
+            patch.setattr(gc_pauses.gc, "collect", lambda generation=2: 0)
+            freezer.tick()
+        assert freezer.whole_passes == 0 and dead() is not None
+        freezer.tick()  # still due: this time it runs
+        assert freezer.whole_passes == 1 and dead() is None
+    finally:
+        freezer.close()
+
+
+def test_a_stop_without_its_start_is_not_a_pause(clock: Clock) -> None:
+    freezer = GcFreezer(60, clock)
+    freezer._on_gc("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    assert freezer.full_collections == 0 and freezer.max_full_pause_s == 0.0
+
+
+def test_risky_intervals_are_logged(clock: Clock, caplog: pytest.LogCaptureFixture) -> None:
+    for interval, words in ((0, "grows without bound"), (5, "pauses the daemon that often")):
+        freezer = GcFreezer(interval, clock)
+        with caplog.at_level(logging.WARNING, logger="kvpool.gc"):
+            freezer.start()
+        freezer.close()
+        assert words in caplog.text
+        caplog.clear()
