@@ -27,6 +27,8 @@ STATS: dict[str, Any] = {
     "read_hit_tokens": 32, "puts": 4, "put_bytes": 400, "skipped_present": 1, "removed": 1,
     "expired_leases": 0, "reclaimed_puts": 0, "leases_active": 1, "pending_puts": 0,
     "namespaces_total": 1, "namespaces_max": 8, "last_event_seq": 9,
+    "gc_frozen_objects": 100, "gc_full_collections": 2, "gc_full_pause_seconds_last": 0.01,
+    "gc_full_pause_seconds_max": 0.02, "gc_whole_passes": 1, "gc_whole_pass_seconds_last": 0.2,
     "lookup_hit_blocks_by_tier": {"host": 2, "disk": 1}, "lookup_hit_tokens_by_tier": {"host": 32, "disk": 16},
     "tiers": {"host": TIER, "disk": {"enabled": True, **TIER}, "device": {"enabled": False, "fault": ""}},
 }  # fmt: skip
