@@ -25,6 +25,7 @@ from kvpool.core.errors import InvalidArgument, StorageFault
 from kvpool.core.invariants import checked_after, require
 from kvpool.storage.allocator import SlabAllocator, slot_size_for
 from kvpool.storage.eviction import EvictionPolicy, make_policy
+from kvpool.storage.watermarks import WatermarkDrain
 
 #: called with (key, namespace, checksum, bytes copied to host) for each evicted block
 DeviceDemoteHook = Callable[[bytes, bytes, int, np.ndarray], None]
@@ -92,6 +93,7 @@ class DeviceTier:
         self.device = torch.device(device)
         self._alloc = SlabAllocator(capacity_bytes, slab_bytes)
         self.capacity_bytes = self._alloc.capacity_bytes
+        self._drain = WatermarkDrain(high_watermark, low_watermark)
         self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
         self._policy_name = policy
         self._policy: EvictionPolicy = make_policy(policy)
@@ -272,16 +274,14 @@ class DeviceTier:
         self._alloc.free(entry.offset)
 
     def _evict_to_low_watermark(self, need_bytes: int) -> None:
-        """A copy that would take the arena above the high watermark first evicts (demotes)
-        blocks by policy until, with the new block, usage is at most the low watermark: one
-        burst of evictions per (high - low) of capacity, instead of one eviction on every
-        copy once the arena is full. 1.0 / 1.0 evicts only when a copy finds no room."""
-        capacity = self.capacity_bytes
-        if self._alloc.used_bytes + need_bytes <= self.high_watermark * capacity:
-            return
-        target = self.low_watermark * capacity - need_bytes
-        while self._alloc.used_bytes > target and self._evict_one():
-            pass
+        """Once a copy would take the arena above the high watermark, each copy evicts
+        (demotes) by policy its own room and as much again until usage is at the low watermark
+        (storage/watermarks.py). 1.0 / 1.0 evicts only when a copy finds no room."""
+        floor = self._drain.floor(self._alloc.used_bytes, need_bytes, self.capacity_bytes)
+        while floor is not None and self._alloc.used_bytes > floor:
+            if not self._evict_one():
+                self._drain.stuck()
+                break
 
     def _evict_one(self) -> bool:
         key = self._policy.pop_victim(lambda k: k in self._index)

@@ -26,6 +26,7 @@ from kvpool.storage.disk_index import DiskEntry, DiskIndexDB
 from kvpool.storage.disk_layout import FILE_HEADER_BYTES, BufferPool
 from kvpool.storage.disk_slots import DiskSlots
 from kvpool.storage.eviction import EvictionPolicy, make_policy
+from kvpool.storage.watermarks import WatermarkDrain
 
 EvictSink = Callable[[list[bytes]], None]
 #: blocks the tier dropped because reading or writing them failed, and why:
@@ -115,6 +116,7 @@ class DiskState:
         self.slab_file_bytes = slab_file_bytes
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
+        self.drain = WatermarkDrain(high_watermark, low_watermark)
         self.policy_name = policy
         self.policy: EvictionPolicy = make_policy(policy)
         self.index: dict[bytes, DiskEntry] = {}
@@ -195,16 +197,17 @@ class DiskState:
                 return None
 
     def evict_to_low_watermark(self, slot_bytes: int, victims: list[DiskEntry]) -> None:
-        """A write that would take the tier above the high watermark (of the capacity it can
-        use: ENOSPC may have stopped it short) first evicts by policy until, with the new
-        block, usage is at most the low watermark. The victims join the batch's durable index
-        deletes like any other eviction; 1.0 / 1.0 evicts only when no slot is free."""
+        """Once a write would take the tier above the high watermark (of the capacity it can
+        use: ENOSPC may have stopped it short), each write evicts by policy its own room and as
+        much again until usage is at the low watermark (storage/watermarks.py). The victims
+        join the batch's durable index deletes like any other eviction; 1.0 / 1.0 evicts only
+        when no slot is free."""
         capacity = self.file_limit * self.slab_file_bytes
-        if self.slots.used_bytes + slot_bytes <= self.high_watermark * capacity:
-            return
-        target = self.low_watermark * capacity - slot_bytes
-        while self.slots.used_bytes > target and self.evict_one(victims):
-            pass
+        floor = self.drain.floor(self.slots.used_bytes, slot_bytes, capacity)
+        while floor is not None and self.slots.used_bytes > floor:
+            if not self.evict_one(victims):
+                self.drain.stuck()
+                break
 
     def evict_one(self, victims: list[DiskEntry]) -> bool:
         """Evict one committed block by policy (never one being read); False if none can go."""

@@ -73,6 +73,7 @@ from kvpool.storage.host_types import (
     _Lease,
     _PendingPut,
 )
+from kvpool.storage.watermarks import WatermarkDrain
 
 #: keys a lookup walks per hold of the store lock
 LOOKUP_LOCK_KEYS = 512
@@ -118,6 +119,7 @@ class HostStore:
         self._on_event = on_event
         self._on_evict = on_evict
         self._alloc = SlabAllocator(config.capacity_bytes, config.slab_bytes, segment_bytes)
+        self._drain = WatermarkDrain(config.high_watermark, config.low_watermark)
         self._segmented = segment_bytes > 0
         # segment owners: namespace -> owner (per-tenant arenas); empty = one owner, 0, for all
         self._owner_of: dict[bytes, int] = {}
@@ -716,13 +718,15 @@ class HostStore:
         capacity = self._alloc.capacity_bytes
         mine = self._owned_by(owner)
         check_can_fit(self, count, block_bytes, owner)
-        # the watermarks keep headroom in a shared arena; with owners (per-tenant segments)
-        # only the owner's own blocks could be evicted here, which would chase an arena-wide
-        # target through one tenant's cache: there, room is made only on demand (below)
-        if mine is None and self._alloc.used_bytes + need > self.config.high_watermark * capacity:
-            target = max(0.0, self.config.low_watermark * capacity - need)
-            while self._alloc.used_bytes > target and self._evict_one(mine):
-                pass
+        # the watermarks keep headroom in a shared arena, a bounded share per put
+        # (storage/watermarks.py); with owners (per-tenant segments) only the owner's own
+        # blocks could be evicted here, which would chase an arena-wide target through one
+        # tenant's cache: there, room is made only on demand (below)
+        floor = self._drain.floor(self._alloc.used_bytes, need, capacity) if mine is None else None
+        while floor is not None and self._alloc.used_bytes > floor:
+            if not self._evict_one(mine):
+                self._drain.stuck()
+                break
         offsets: list[int] = []
         try:
             while len(offsets) < count:

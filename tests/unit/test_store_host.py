@@ -266,17 +266,37 @@ def test_put_start_does_not_evict_the_blocks_it_reports_present() -> None:
     assert h.store.lookup([key(0)]) == 1, "block 0 was reported present, then evicted by the same put"
 
 
-def test_watermarks_evict_down_to_low_in_lru_order() -> None:
+def test_watermarks_drain_to_low_in_lru_order_a_bounded_share_per_put() -> None:
+    """Once a put would cross the high watermark, each put evicts its own room and as much
+    again (oldest first) until usage is at the low watermark; then nothing until the next
+    crossing (storage/watermarks.py: no one put evicts a tenth of the pool under the lock)."""
     h = Harness(slots=12, high_watermark=0.75, low_watermark=0.5)
     assert h.store.summary()["capacity_bytes"] == 12 * BLOCK
     h.put(list(range(9)))  # 9 of 12: exactly at high, no eviction
     assert h.store.summary()["evictions"] == 0
     h.read(0)  # touch 0: most recently used
-    h.put([100])  # 10 > 9: evict down to 6 - 1 = 5 blocks, oldest first (1, 2, 3, 4)
-    assert h.present() == {0, 5, 6, 7, 8, 100}
-    assert h.store.summary()["evictions"] == 4
+    h.put([100])  # 10 > 9: the drain starts; this put evicts 2 (1, 2), not 4
+    assert h.present() == {0, 3, 4, 5, 6, 7, 8, 100}
+    h.put([101])  # draining: 2 more (3, 4)
+    h.put([102])  # 2 more (5, 6): 5 blocks + this one = 6 = low, the drain is over
+    assert h.present() == {0, 7, 8, 100, 101, 102}
+    assert h.store.summary()["evictions"] == 6
+    h.put([103, 104, 105])  # 9 = high again: nothing evicted below it
+    assert h.store.summary()["evictions"] == 6
     removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
-    assert removed == [[key(1), key(2), key(3), key(4)]]  # one event for the put's evictions, in their order
+    assert removed == [[key(1), key(2)], [key(3), key(4)], [key(5), key(6)]]  # one event per put, in order
+
+
+def test_a_drain_that_finds_nothing_to_evict_stops_until_the_next_crossing() -> None:
+    h = Harness(slots=12, high_watermark=0.75, low_watermark=0.5)
+    h.put(list(range(9)))
+    for i in range(9):
+        h.store.pin([key(i)], None)  # hard pins: nothing may go
+    h.put([100])  # crosses high, the drain finds no victim and stops
+    assert h.store.summary()["evictions"] == 0 and not h.store._drain.draining
+    h.store.unpin([key(i) for i in range(9)])
+    h.put([101])  # the next crossing starts a drain again: its room and as much again
+    assert h.store.summary()["evictions"] == 2 and h.present() == set(range(2, 9)) | {100, 101}
 
 
 def test_a_put_into_a_full_pool_looks_at_about_as_many_blocks_as_it_evicts() -> None:
@@ -300,10 +320,10 @@ def test_the_evictions_of_a_put_go_out_in_events_of_at_most_max_batch_blocks() -
     for first in range(0, 8, 2):
         h.put([first, first + 1])  # 8 of 16: at high, no eviction yet
     h.events.clear()
-    h.put([100])  # evict down to 4 - 1 = 3 blocks: the 5 oldest go
+    h.put([100, 101, 102])  # 11 > 8: evict toward 4 - 3 blocks, at most twice 3: the 6 oldest go
     removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
-    assert all(len(hs) <= 3 for hs in removed)
-    assert [k for hs in removed for k in hs] == [key(i) for i in range(5)]
+    assert [len(hs) for hs in removed] == [3, 3]
+    assert [k for hs in removed for k in hs] == [key(i) for i in range(6)]
 
 
 def test_an_event_sink_that_fails_on_evictions_leaks_no_slot() -> None:

@@ -1,5 +1,7 @@
-"""Disk and device tiers: high/low watermarks evict down to low, in policy order, only
-when a write would cross high; 1.0 / 1.0 keeps evict-on-demand; bad watermarks refused."""
+"""Disk and device tiers: once a write would cross the high watermark, each write evicts,
+in policy order, its own room and as much again until usage is at the low watermark
+(storage/watermarks.py); below high, drained, nothing is evicted; 1.0 / 1.0 keeps
+evict-on-demand; bad watermarks refused."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_disk_slot_layout_assumed_by_these_tests() -> None:
     assert file_layout(DISK_SLAB, DISK_BLOCK)[0] == 15  # 60 slots in 4 files: 3.75 MiB of 4 MiB
 
 
-def test_disk_evicts_down_to_low_when_a_write_crosses_high(tmp_path: pathlib.Path) -> None:
+def test_disk_drains_to_low_a_bounded_share_per_write_once_a_write_crosses_high(tmp_path: pathlib.Path) -> None:
     gone: list[bytes] = []
     t = disk(tmp_path, high=0.5, low=0.25, gone=gone)  # high = 2 MiB = 32 slots, low = 1 MiB = 16
     try:
@@ -53,24 +55,34 @@ def test_disk_evicts_down_to_low_when_a_write_crosses_high(tmp_path: pathlib.Pat
         assert t.stats.evictions == 0 and len(t) == 32 and t.used_bytes == 2 << 20  # exactly at high
         got = t.read_many([key(0)])  # a hit: block 0 becomes the most recently used
         assert got[0] is not None
-        disk_write(t, 32)  # would cross high: evict until, with this block, usage <= low
-        assert t.stats.evictions == 17 and len(t) == 16 and t.used_bytes == 1 << 20
-        assert gone == [key(i) for i in range(1, 18)]  # LRU order; the block just read stays
-        assert t.contains(key(0)) and t.contains(key(32))
-        for i in range(33, 49):  # 16 more writes reach high again without evicting
+        per_write = []
+        i = 32
+        while True:  # from the crossing on, each write evicts its room and as much again
+            before = t.stats.evictions
             disk_write(t, i)
-        assert t.stats.evictions == 17 and t.used_bytes == 2 << 20
-        disk_write(t, 49)
-        assert t.stats.evictions == 34 and t.used_bytes == 1 << 20
+            per_write.append(t.stats.evictions - before)
+            i += 1
+            if t.used_bytes == 1 << 20:
+                break
+            assert len(per_write) < 32, "never drained down to low"
+        assert per_write == [2] * 16  # no write paid for more than twice what it wrote
+        assert gone == [key(k) for k in range(1, 32)] + [key(0)]  # LRU order: 0 was read, so last
+        kept = {key(k) for k in range(32, 48)}
+        assert set(t.keys()) == kept
+        for k in range(48, 64):  # 16 more writes reach high again without evicting
+            disk_write(t, k)
+        assert t.stats.evictions == 32 and t.used_bytes == 2 << 20
+        disk_write(t, 64)  # the next crossing starts the next drain
+        assert t.stats.evictions == 34
+        kept = set(t.keys())
         summary = t.summary()
         assert summary["high_watermark"] == 0.5 and summary["low_watermark"] == 0.25
     finally:
         t.close()
-    # the evictions were durable: a restart finds exactly the 16 blocks kept
+    # the evictions were durable: a restart finds exactly the blocks kept
     t2 = disk(tmp_path, high=0.5, low=0.25, gone=[])
     try:
-        # LRU order before the second burst: 18..31, 0, 32, 33..48 -> the first 17 went
-        assert set(t2.keys()) == {key(i) for i in range(34, 50)}
+        assert set(t2.keys()) == kept
     finally:
         t2.close()
 
@@ -84,8 +96,9 @@ def test_disk_never_evicts_a_block_being_read(tmp_path: pathlib.Path) -> None:
         with t._lock:  # a reader in flight on blocks 0..3 (what read_many holds while it reads)
             for i in range(4):
                 t._index[key(i)].readers += 1
-        disk_write(t, 32)
-        assert t.stats.evictions == 17 and gone == [key(i) for i in range(4, 21)]
+        for i in range(32, 48):  # the whole drain
+            disk_write(t, i)
+        assert t.stats.evictions == 32 and gone == [key(i) for i in range(4, 36)]
         with t._lock:
             for i in range(4):
                 t._index[key(i)].readers -= 1
@@ -122,7 +135,7 @@ def device_put(store: TieredStore, i: int) -> None:
     assert store.device.put(key(i), b"ns", block, checksum64(block))
 
 
-def test_device_evicts_down_to_low_when_a_copy_crosses_high() -> None:
+def test_device_drains_to_low_a_bounded_share_per_copy_once_a_copy_crosses_high() -> None:
     store = device_store(high=0.5, low=0.25)  # high = 64 slots, low = 32
     device = store.device
     assert device is not None
@@ -132,12 +145,17 @@ def test_device_evicts_down_to_low_when_a_copy_crosses_high() -> None:
             device_put(store, i)
         assert device.stats.evictions == 0 and device.used_bytes == 512 << 10
         assert device.get(key(0)) is not None  # most recently used now
-        device_put(store, 64)  # crosses high: evict (demote) until, with it, usage <= low
-        assert device.stats.evictions == 33 and device.stats.demotions == 33
+        per_copy = []
+        for i in range(64, 96):  # crosses high, then each copy evicts (demotes) two until low
+            before = device.stats.evictions
+            device_put(store, i)
+            per_copy.append(device.stats.evictions - before)
+        assert per_copy == [2] * 32 and device.stats.demotions == 64
         assert device.used_bytes == 256 << 10 and len(device) == 32
-        assert device.contains(key(0)) and device.contains(key(64))
-        assert not any(device.contains(key(i)) for i in range(1, 34))
-        assert store.records.queued_keys() == [key(i) for i in range(1, 34)]  # in LRU order
+        assert not any(device.contains(key(i)) for i in range(64))  # 1..63, then 0: LRU order
+        assert store.records.queued_keys() == [key(i) for i in range(1, 64)] + [key(0)]
+        device_put(store, 96)  # below high, drained: nothing evicted
+        assert device.stats.evictions == 64
         store._drain_device_demotions()  # no other tier held them: demoted into host, bytes intact
         for i in range(1, 34):
             entry = store.host.entry(key(i))
