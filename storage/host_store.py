@@ -703,7 +703,7 @@ class HostStore:
         """One REMOVED for every block the put_start under way evicted (lock held; its keys
         name their namespaces). Why not one per block: in a full pool every block put evicts
         one, and an event per eviction (grouped, logged, recorded) was 60 % of PutStart,
-        ~10 us a block. At most ``max_batch_blocks`` keys an event: a watermark pass in a
+        ~10 us a block. At most ``max_batch_blocks`` keys an event: a large put in a
         large arena evicts hundreds of thousands of blocks, more than a directory takes in
         one event."""
         keys, self._evicted = self._evicted, []

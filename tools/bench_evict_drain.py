@@ -66,12 +66,14 @@ def main() -> None:
     default_ahead = watermarks.EVICT_AHEAD
     results: dict[str, list[list[float]]] = {"burst": [], "drain": []}
     gc.freeze()  # as kvpool serve does (--gc-freeze): the collector is not what is measured
-    for _ in range(args.rounds):
-        for name, ahead in (("burst", BURST), ("drain", default_ahead)):
-            results[name].append(churn(ahead, args.blocks, args.per_put))
-            gc.collect()
-            gc.freeze()
-    watermarks.EVICT_AHEAD = default_ahead
+    try:
+        for _ in range(args.rounds):
+            for name, ahead in (("burst", BURST), ("drain", default_ahead)):
+                results[name].append(churn(ahead, args.blocks, args.per_put))
+                gc.collect()
+                gc.freeze()
+    finally:
+        watermarks.EVICT_AHEAD = default_ahead
     print(f"# {args.blocks} blocks of 4 KiB, then as many again in puts of {args.per_put}; ms per put")
     print(f"{'rule':8s}{'median':>10s}{'p99':>10s}{'max':>10s}{'slow':>8s}{'total s':>10s}")
     for name, runs in results.items():

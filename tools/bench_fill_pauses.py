@@ -2,7 +2,7 @@
 garbage collections with ``--gc-freeze off`` (CPython's default) against ``on``, measured in
 the same run (ABAB).
 
-    python tools/bench_fill_pauses.py [--blocks 1048576] [--block-kib 4] [--churn 1] [--rounds 2]
+    python tools/bench_fill_pauses.py [--blocks 1048576] [--block-kib 4] [--churn 0] [--rounds 2]
 
 Each round starts a daemon with room for ``--blocks`` blocks and fills it with puts of
 ``--per-put`` blocks from one client ("fill"), then puts ``--churn`` times as many more into
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1 << 20, help="blocks the pool is filled with")
     parser.add_argument("--block-kib", type=int, default=4, help="block size in KiB")
     parser.add_argument("--per-put", type=int, default=4096, help="blocks per put")
-    parser.add_argument("--churn", type=float, default=1.0, help="then put this many times --blocks more (evicting)")
+    parser.add_argument("--churn", type=float, default=0.0, help="then put this many times --blocks more (evicting)")
     parser.add_argument("--probe-ms", type=float, default=5.0, help="pace of the second client's lookups")
     parser.add_argument("--rounds", type=int, default=2, help="ABAB rounds (off, on)")
     args = parser.parse_args()

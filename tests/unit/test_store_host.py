@@ -292,11 +292,14 @@ def test_a_drain_that_finds_nothing_to_evict_stops_until_the_next_crossing() -> 
     h.put(list(range(9)))
     for i in range(9):
         h.store.pin([key(i)], None)  # hard pins: nothing may go
-    h.put([100])  # crosses high, the drain finds no victim and stops
-    assert h.store.summary()["evictions"] == 0 and not h.store._drain.draining
-    h.store.unpin([key(i) for i in range(9)])
-    h.put([101])  # the next crossing starts a drain again: its room and as much again
-    assert h.store.summary()["evictions"] == 2 and h.present() == set(range(2, 9)) | {100, 101}
+    assert h.put([100]) == 1  # crosses high; the drain finds no victim and stops; a slot is free
+    assert h.store.summary()["evictions"] == 0
+    h.store.remove([key(i) for i in range(3)])
+    h.store.unpin([key(i) for i in range(3, 9)])  # 7 of 12: between low (6) and high (9)
+    h.put([101])  # below high and no drain running: nothing is evicted
+    assert h.store.summary()["evictions"] == 0
+    h.put([102, 103])  # 10 > 9: the next crossing starts a drain: its room and as much again
+    assert h.store.summary()["evictions"] == 4 and h.present() == {7, 8, 100, 101, 102, 103}
 
 
 def test_a_put_into_a_full_pool_looks_at_about_as_many_blocks_as_it_evicts() -> None:
@@ -314,7 +317,7 @@ def test_a_put_into_a_full_pool_looks_at_about_as_many_blocks_as_it_evicts() -> 
 
 
 def test_the_evictions_of_a_put_go_out_in_events_of_at_most_max_batch_blocks() -> None:
-    """One event for a put's evictions, cut at max_batch_blocks keys (a watermark pass in a
+    """One event for a put's evictions, cut at max_batch_blocks keys (a large put evicting in a
     large arena evicts more than a directory takes in one event), in eviction order."""
     h = Harness(slots=16, high_watermark=0.5, low_watermark=0.25, max_batch_blocks=3)
     for first in range(0, 8, 2):
