@@ -8,11 +8,12 @@ survived younger collections have grown by a quarter, so a filling pool stalls a
 again, each stall longer than the last (``tools/bench_fill_pauses.py``, docs/benchmarks.md).
 
 Index entries hold no reference cycles and are freed by reference counting when removed,
-so a full pass over them never finds anything. After each full collection this moves the
-survivors into the permanent generation (``gc.freeze``): the next full collection walks only
-what arrived since, and its pause is that of the growth, not of the whole index. Before
-freezing it collects the young generations, so fresh garbage cycles die instead of being
-frozen.
+so a full pass over them never finds anything. After each full collection, and whenever ten
+young (generation 1) collections have moved survivors into the old generation since the last
+freeze, this moves them into the permanent generation (``gc.freeze``): the next full
+collection walks only what arrived since (at most ~70,000 objects, a few ms), not the whole
+index. Before freezing it collects the young generations, so fresh garbage cycles die instead
+of being frozen.
 
 What it gives up: a reference cycle among objects that were alive when frozen and died later
 is not reclaimed until the next whole pass, every ``full_interval_s``, which unfreezes
@@ -43,6 +44,11 @@ log = logging.getLogger("kvpool.gc")
 #: how often the daemon looks for a full collection that ran since it last looked
 TICK_MS = 1000
 FULL_GENERATION = 2
+#: freeze after this many generation-1 collections since the last freeze (each moves at most
+#: ~7,000 survivors into the old generation: a full collection then walks at most ~70,000)
+FREEZE_AFTER_YOUNG = 10
+#: how often the frozen objects are counted (for Stats), at most
+COUNT_EVERY_S = 60.0
 #: below this a whole pass comes often enough to be a stall operators would notice
 SHORT_INTERVAL_S = 60
 
@@ -63,6 +69,8 @@ class GcFreezer:
         # collection, so a finalizer that reads the summary cannot deadlock
         self._lock = threading.Lock()
         self._seen_full = 0
+        self._young_at_freeze = 0
+        self._counted_at = float("-inf")
         self._last_whole_pass = 0.0
         self._pause_started: float | None = None
         self._in_whole_pass = False
@@ -106,26 +114,31 @@ class GcFreezer:
         gc.unfreeze()
 
     def tick(self) -> None:
-        """Freeze after a full collection CPython ran; the whole pass when it is due. A
-        collection another thread has in progress makes ``gc.collect`` return at once without
-        collecting: then nothing is frozen or counted, and the next tick tries again."""
+        """Freeze after a full collection CPython ran, or once ``FREEZE_AFTER_YOUNG``
+        generation-1 collections have moved survivors into the old generation since the last
+        freeze (so the next full collection has at most those to walk); the whole pass when it
+        is due. A collection another thread has in progress makes ``gc.collect`` return at
+        once without collecting: then nothing is frozen or counted, and the next tick tries
+        again."""
         now = self._clock()
         if self.full_interval_s and now - self._last_whole_pass >= self.full_interval_s:
             self._whole_pass(now)
             return
-        full = _collections(FULL_GENERATION)
-        if full == self._seen_full:
+        full, young = _collections(FULL_GENERATION), _collections(FULL_GENERATION - 1)
+        if full == self._seen_full and young - self._young_at_freeze < FREEZE_AFTER_YOUNG:
             return
-        young = _collections(FULL_GENERATION - 1)
         gc.collect(FULL_GENERATION - 1)  # young garbage cycles die rather than being frozen
         if _collections(FULL_GENERATION - 1) == young:
             return  # another thread is collecting: try again next tick
         gc.freeze()
-        frozen = gc.get_freeze_count()
+        # counting walks every frozen object (~10 ms a million): at most once a COUNT_EVERY_S
+        frozen = gc.get_freeze_count() if now - self._counted_at >= COUNT_EVERY_S else None
         with self._lock:
             self.freezes += 1
-            self.frozen_objects = frozen
+            if frozen is not None:
+                self.frozen_objects, self._counted_at = frozen, now
             self._seen_full = _collections(FULL_GENERATION)
+            self._young_at_freeze = _collections(FULL_GENERATION - 1)
 
     def summary(self) -> dict[str, Any]:
         """For ``Stats`` and ``/metrics`` (cheap: nothing here walks the heap)."""
@@ -155,8 +168,9 @@ class GcFreezer:
         ran = _collections(FULL_GENERATION) != before
         frozen = gc.get_freeze_count()
         with self._lock:
-            self.frozen_objects = frozen
+            self.frozen_objects, self._counted_at = frozen, now
             self._seen_full = _collections(FULL_GENERATION)
+            self._young_at_freeze = _collections(FULL_GENERATION - 1)
             if not ran:
                 return
             self.freezes += 1

@@ -52,6 +52,7 @@ def test_start_freezes_what_is_alive_and_a_later_full_collection_is_frozen_too(c
         assert summary["gc_full_collections"] >= 1
         assert 0.0 < summary["gc_full_pause_seconds_max"] < 60.0
         assert summary["gc_full_pause_seconds_last"] <= summary["gc_full_pause_seconds_max"]
+        clock.now += gc_pauses.COUNT_EVERY_S  # the frozen objects are counted at most this often
         freezer.tick()
         assert gc.get_freeze_count() >= frozen + len(kept)
         assert freezer.freezes == 2 and freezer.summary()["gc_frozen_objects"] >= frozen + len(kept)
@@ -155,3 +156,24 @@ def test_risky_intervals_are_logged(clock: Clock, caplog: pytest.LogCaptureFixtu
         freezer.close()
         assert words in caplog.text
         caplog.clear()
+
+
+def test_young_collections_that_moved_survivors_up_are_frozen_without_a_full_one(clock: Clock) -> None:
+    """Once FREEZE_AFTER_YOUNG generation-1 collections have run since the last freeze, their
+    survivors are frozen too: the next full collection has at most those to walk."""
+    freezer = GcFreezer(3600, clock)
+    freezer.start()
+    try:
+        kept = [Node() for _ in range(1000)]
+        for _ in range(gc_pauses.FREEZE_AFTER_YOUNG - 1):
+            gc.collect(1)
+        full = gc.get_stats()[2]["collections"]
+        frozen = gc.get_freeze_count()
+        freezer.tick()
+        assert freezer.freezes == 1 or gc.get_stats()[2]["collections"] != full  # not yet (unless a full one ran)
+        gc.collect(1)
+        freezer.tick()
+        assert gc.get_freeze_count() >= frozen + len(kept)
+        assert gc.get_stats()[2]["collections"] == full  # no full collection was needed for it
+    finally:
+        freezer.close()

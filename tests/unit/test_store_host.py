@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -405,3 +406,34 @@ def test_drop_corrupt_reverifies_and_a_leased_bad_block_keeps_its_slot_until_rel
     h.store.release(grant.lease_id)
     assert h.store.used_bytes() == used - BLOCK
     assert h.put([2]) == 1 and h.read(2) is not None and np.array_equal(h.read(2), payload(2))
+
+
+def test_a_drain_share_is_evicted_in_pieces_with_the_lock_let_go_between(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put's share of a drain is evicted DRAIN_LOCK_BLOCKS at a time before the put takes
+    the lock for its own work, so other callers' lookups run between the pieces; each piece's
+    evictions go out as their own event, and the blocks the put names are never evicted for it."""
+    from kvpool.storage import host_store
+
+    h = Harness(slots=12, high_watermark=0.75, low_watermark=0.5)
+    h.put(list(range(9)))
+    h.events.clear()
+    monkeypatch.setattr(host_store, "DRAIN_LOCK_BLOCKS", 1)
+    free: list[bool] = []
+
+    def another_thread_can_lock(_s: float) -> None:
+        def attempt() -> None:
+            got = h.store._lock.acquire(blocking=False)
+            if got:
+                h.store._lock.release()
+            free.append(got)
+
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join()
+
+    monkeypatch.setattr(host_store.time, "sleep", another_thread_can_lock)
+    assert h.put([0, 100, 101]) == 2  # 0 is present: 2 new, a share of 4 (0 kept: the put names it)
+    assert free and all(free)  # the lock was let go after each piece
+    removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
+    assert removed == [[key(1)], [key(2)], [key(3)], [key(4)]]
+    assert h.present() == {0, 5, 6, 7, 8, 100, 101}
