@@ -35,8 +35,9 @@ Guarantees (checked by tests/property/test_store_*):
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena. Its records and results are in ``host_types.py``, its
 debug checks in ``host_checks.py``, the room-making rules in ``host_room.py``; what stays
-here (~850 lines) is the one state machine under the one lock, kept whole on purpose: every
-transition above is a method whose lock scope can be read in one place.
+here (~860 lines) is the one state machine under the one lock, kept whole on purpose: every
+transition above is a method whose lock scope can be read in one place (one exception: a
+put's share of a watermark drain is evicted after its grant, in pieces, ``_drain_after``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ from kvpool.storage.watermarks import WatermarkDrain
 LOOKUP_LOCK_KEYS = 512
 #: keys of a lookup's first chunk (a lookup that misses at once builds only these)
 LOOKUP_FIRST_KEYS = 16
-#: evictions of a drain's share per hold of the store lock (``_drain_ahead``)
+#: evictions of a drain's share per hold of the store lock (``_drain_after``)
 DRAIN_LOCK_BLOCKS = 512
 
 __all__ = [
@@ -281,7 +282,20 @@ class HostStore:
         self._check_batch(keys)
         self._alloc.check_block_bytes(block_bytes)
         key_list = keys[:] if isinstance(keys, BlockKeys) else list(keys)  # BlockKeys: one numpy pass
-        drained = self._drain_ahead(namespace, key_list, block_bytes)
+        grant, drain_to, keep = self._put_start_locked(namespace, key_list, block_bytes)
+        if drain_to is not None:
+            try:
+                self._drain_after(drain_to, keep)
+            except BaseException:  # the event sink failed: the put goes, as if its own evictions had failed
+                self.put_abort(grant.put_id)
+                raise
+        return grant
+
+    def _put_start_locked(
+        self, namespace: bytes, key_list: list[bytes], block_bytes: int
+    ) -> tuple[PutGrant, float | None, set[bytes]]:
+        """``put_start``'s work under one hold of the lock: (the grant, the usage its share of
+        a watermark drain is evicted down to after it, or None; the keys reported present)."""
         with self._lock:
             now = self._clock.now_ms()
             if len(self._pending) >= self.config.max_pending_puts:
@@ -294,9 +308,10 @@ class HostStore:
             present, in_flight, indices, wanted = self._split_new(key_list)
             self.stats.skipped_present += len(present)
             if not wanted:
-                return PutGrant(0, [], [], present, in_flight)
+                return PutGrant(0, [], [], present, in_flight), None, set()
             # the writer skips the blocks we report present: making room must not evict them
-            self._protected = {key_list[i] for i in present}
+            keep = {key_list[i] for i in present}
+            self._protected = keep
             try:
                 need = len(wanted) * block_bytes
                 owner = self._owner_of.get(namespace, 0)
@@ -305,7 +320,7 @@ class HostStore:
                     # room in the arena would have cost those blocks for nothing
                     check_can_fit(self, len(wanted), block_bytes, owner)
                     make_quota_room(self, namespace, need)
-                offsets = self._allocate(len(wanted), block_bytes, now, owner, drain=not drained)
+                offsets, drain_to = self._allocate(len(wanted), block_bytes, now, owner)
             finally:
                 self._protected = set()
                 self._report_evicted()  # those of a failed quota pass (_allocate reports its own)
@@ -314,46 +329,35 @@ class HostStore:
             deadline_ms = now + self.config.put_ttl_ms
             self._pending[put_id] = _PendingPut(namespace, block_bytes, deadline_ms, indices, wanted, offsets)
             self._pending_keys.update(wanted)
-            return PutGrant(put_id, indices[:], offsets[:], present, in_flight)  # copies: the put keeps its own
+            grant = PutGrant(put_id, indices[:], offsets[:], present, in_flight)  # copies: the put keeps its own
+            return grant, drain_to, keep
 
-    def _drain_ahead(self, namespace: bytes, keys: list[bytes], block_bytes: int) -> bool:
-        """A put's share of a watermark drain (storage/watermarks.py), evicted before the put
-        takes the lock for its own work, ``DRAIN_LOCK_BLOCKS`` at a time with the lock let go
-        in between: a share is up to twice the put (8,192 evictions, ~16 ms, for a put of
-        4,096 blocks), and other callers' lookups and leases run between the pieces instead
-        of waiting it out. The share is sized by the keys not stored now (a put of blocks the
-        pool has starts no drain), and those it names are not evicted for it. True when done
-        here; False leaves the drain to ``_allocate``, under the put's lock as one piece: with
-        per-tenant segments or a quota (their room rules run there first), or when the put
-        cannot fit at all (it fails there, having evicted nothing)."""
-        with self._lock:
-            if self._owner_of or self.config.namespace_quota_bytes or namespace in self._tenant_of:
-                return False
-            present = set(filter(self._index.__contains__, keys))  # the membership pass in C
-            new = len(set(keys)) - len(present)
-            try:
-                check_can_fit(self, new, block_bytes)
-            except CapacityExhausted:
-                return False
-            need = new * slot_size_for(block_bytes)
-            floor = self._drain.floor(self._alloc.used_bytes, need, self._alloc.capacity_bytes)
-        while floor is not None:
+    def _drain_after(self, drain_to: float, keep: set[bytes]) -> None:
+        """A put's share of a watermark drain (storage/watermarks.py), evicted after its slots
+        were granted, ``DRAIN_LOCK_BLOCKS`` at a time with the lock let go in between: a share
+        is up to twice the put (8,192 evictions, ~16 ms, for a put of 4,096 blocks), and other
+        callers' lookups and leases run between the pieces instead of waiting it out. After
+        the grant, so a put never fails having evicted for its share; ``keep``: the blocks the
+        put reported present, never evicted for it. ``drain_to`` is a usage level: puts that
+        allocate meanwhile raise usage and this share evicts for them too (bounded by the low
+        watermark the level was set from)."""
+        done = False
+        while not done:
             with self._lock:
-                self._protected = present  # the put will report these present: keep them
+                self._protected = keep
                 try:
                     for _ in range(DRAIN_LOCK_BLOCKS):
-                        if self._alloc.used_bytes <= floor:
-                            floor = None
+                        if self._alloc.used_bytes <= drain_to:
+                            done = True
                             break
                         if not self._evict_one(None):
                             self._drain.stuck()
-                            floor = None
+                            done = True
                             break
                 finally:
                     self._protected = set()
                     self._report_evicted()
             time.sleep(0)  # let a waiting caller take the lock
-        return True
 
     def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[int], list[int], list[bytes]]:
         """(present, in flight, indices to write, their keys) of a put's keys (lock held): a
@@ -743,7 +747,8 @@ class HostStore:
         self._evicted.append(entry.key)
 
     def _report_evicted(self) -> None:
-        """One REMOVED for every block the put_start under way evicted (lock held; its keys
+        """One REMOVED for the blocks evicted in this hold of the lock (a put's on-demand
+        evictions, or one piece of its drain share; lock held; its keys
         name their namespaces). Why not one per block: in a full pool every block put evicts
         one, and an event per eviction (grouped, logged, recorded) was 60 % of PutStart,
         ~10 us a block. At most ``max_batch_blocks`` keys an event: a large put in a
@@ -754,24 +759,20 @@ class HostStore:
         for start in range(0, len(keys), step):
             self._emit(EventKind.REMOVED, keys[start : start + step], b"")
 
-    def _allocate(self, count: int, block_bytes: int, now: float, owner: int = 0, drain: bool = True) -> list[int]:
-        """``count`` slots of ``block_bytes`` in segments of ``owner``, evicting to make room
+    def _allocate(self, count: int, block_bytes: int, now: float, owner: int = 0) -> tuple[list[int], float | None]:
+        """``count`` slots of ``block_bytes`` in segments of ``owner``, evicting what they need
         (module docstring): its own blocks first, then one whole segment of another owner.
-        ``drain``: the put's share of a watermark drain is evicted here (False: done already,
-        ``_drain_ahead``)."""
+        Also the usage the put's share of a watermark drain is evicted down to after the grant
+        (``_drain_after``), or None."""
         need = count * slot_size_for(block_bytes)
         capacity = self._alloc.capacity_bytes
         mine = self._owned_by(owner)
         check_can_fit(self, count, block_bytes, owner)
-        # the watermarks keep headroom in a shared arena, a bounded share per put
-        # (storage/watermarks.py); with owners (per-tenant segments) only the owner's own
-        # blocks could be evicted here, which would chase an arena-wide target through one
-        # tenant's cache: there, room is made only on demand (below)
-        floor = self._drain.floor(self._alloc.used_bytes, need, capacity) if drain and mine is None else None
-        while floor is not None and self._alloc.used_bytes > floor:
-            if not self._evict_one(mine):
-                self._drain.stuck()
-                break
+        # the watermarks keep headroom in a shared arena, a bounded share per put evicted
+        # after the grant (storage/watermarks.py, _drain_after); with owners (per-tenant
+        # segments) only the owner's own blocks could be evicted here, which would chase an
+        # arena-wide target through one tenant's cache: there, room is made only on demand
+        floor = self._drain.floor(self._alloc.used_bytes, need, capacity) if mine is None else None
         offsets: list[int] = []
         try:
             while len(offsets) < count:
@@ -791,7 +792,7 @@ class HostStore:
             for off in offsets:
                 self._alloc.free(off)
             raise
-        return offsets
+        return offsets, (None if floor is None else floor + need)
 
     def _owned_by(self, owner: int) -> Callable[[bytes], bool] | None:
         """Whether a namespace's blocks lie in ``owner``'s segments (None: one owner, all do)."""

@@ -10,10 +10,10 @@ again, each stall longer than the last (``tools/bench_fill_pauses.py``, docs/ben
 Index entries hold no reference cycles and are freed by reference counting when removed,
 so a full pass over them never finds anything. After each full collection, and whenever ten
 young (generation 1) collections have moved survivors into the old generation since the last
-freeze, this moves them into the permanent generation (``gc.freeze``): the next full
-collection walks only what arrived since (at most ~70,000 objects, a few ms), not the whole
-index. Before freezing it collects the young generations, so fresh garbage cycles die instead
-of being frozen.
+freeze (looked at every second), this moves them into the permanent generation
+(``gc.freeze``): a full collection then walks only what arrived since the last freeze (about
+a second of the pool's growth at most), not the whole index. Before freezing it collects the
+young generations, so fresh garbage cycles die instead of being frozen.
 
 What it gives up: a reference cycle among objects that were alive when frozen and died later
 is not reclaimed until the next whole pass, every ``full_interval_s``, which unfreezes
@@ -44,8 +44,8 @@ log = logging.getLogger("kvpool.gc")
 #: how often the daemon looks for a full collection that ran since it last looked
 TICK_MS = 1000
 FULL_GENERATION = 2
-#: freeze after this many generation-1 collections since the last freeze (each moves at most
-#: ~7,000 survivors into the old generation: a full collection then walks at most ~70,000)
+#: freeze after this many generation-1 collections since the last freeze (each moves the
+#: survivors of up to ~7,000 allocations into the old generation, at CPython 3.11's thresholds)
 FREEZE_AFTER_YOUNG = 10
 #: how often the frozen objects are counted (for Stats), at most
 COUNT_EVERY_S = 60.0
@@ -54,7 +54,8 @@ SHORT_INTERVAL_S = 60
 
 
 class GcFreezer:
-    """Freeze the survivors of each full collection; time CPython's full collections.
+    """Freeze the survivors of each full collection and of every ten young ones; time
+    CPython's full collections.
 
     ``start`` installs it (one whole pass, then the first freeze), ``tick`` (every ``TICK_MS``
     from the daemon's supervisor) freezes after a full collection and runs the whole pass
@@ -71,10 +72,11 @@ class GcFreezer:
         self._seen_full = 0
         self._young_at_freeze = 0
         self._counted_at = float("-inf")
+        self._count_due = False
         self._last_whole_pass = 0.0
         self._pause_started: float | None = None
         self._in_whole_pass = False
-        self.frozen_objects = 0  # counted at each freeze: counting walks them all (~10 ms a million)
+        self.frozen_objects = 0  # as last counted (_count_frozen: at most once a minute after a freeze)
         self.full_collections = 0  # CPython's own full collections since start
         self.last_full_pause_s = 0.0
         self.max_full_pause_s = 0.0
@@ -126,19 +128,27 @@ class GcFreezer:
             return
         full, young = _collections(FULL_GENERATION), _collections(FULL_GENERATION - 1)
         if full == self._seen_full and young - self._young_at_freeze < FREEZE_AFTER_YOUNG:
+            self._count_frozen(now)
             return
         gc.collect(FULL_GENERATION - 1)  # young garbage cycles die rather than being frozen
         if _collections(FULL_GENERATION - 1) == young:
             return  # another thread is collecting: try again next tick
         gc.freeze()
-        # counting walks every frozen object (~10 ms a million): at most once a COUNT_EVERY_S
-        frozen = gc.get_freeze_count() if now - self._counted_at >= COUNT_EVERY_S else None
         with self._lock:
             self.freezes += 1
-            if frozen is not None:
-                self.frozen_objects, self._counted_at = frozen, now
+            self._count_due = True
             self._seen_full = _collections(FULL_GENERATION)
             self._young_at_freeze = _collections(FULL_GENERATION - 1)
+        self._count_frozen(now)
+
+    def _count_frozen(self, now: float) -> None:
+        """Count the frozen objects for Stats after a freeze, at most once a ``COUNT_EVERY_S``:
+        counting walks every one of them (~10 ms a million, the interpreter lock held)."""
+        if not self._count_due or now - self._counted_at < COUNT_EVERY_S:
+            return
+        frozen = gc.get_freeze_count()
+        with self._lock:
+            self.frozen_objects, self._counted_at, self._count_due = frozen, now, False
 
     def summary(self) -> dict[str, Any]:
         """For ``Stats`` and ``/metrics`` (cheap: nothing here walks the heap)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -409,9 +410,9 @@ def test_drop_corrupt_reverifies_and_a_leased_bad_block_keeps_its_slot_until_rel
 
 
 def test_a_drain_share_is_evicted_in_pieces_with_the_lock_let_go_between(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A put's share of a drain is evicted DRAIN_LOCK_BLOCKS at a time before the put takes
-    the lock for its own work, so other callers' lookups run between the pieces; each piece's
-    evictions go out as their own event, and the blocks the put names are never evicted for it."""
+    """A put's share of a drain is evicted DRAIN_LOCK_BLOCKS at a time after its slots were
+    granted, so other callers' lookups run between the pieces; each piece's evictions go out
+    as their own event, and the blocks the put reported present are never evicted for it."""
     from kvpool.storage import host_store
 
     h = Harness(slots=12, high_watermark=0.75, low_watermark=0.5)
@@ -431,9 +432,31 @@ def test_a_drain_share_is_evicted_in_pieces_with_the_lock_let_go_between(monkeyp
         thread.start()
         thread.join()
 
-    monkeypatch.setattr(host_store.time, "sleep", another_thread_can_lock)
+    monkeypatch.setattr(host_store, "time", SimpleNamespace(sleep=another_thread_can_lock))  # this module's only
     assert h.put([0, 100, 101]) == 2  # 0 is present: 2 new, a share of 4 (0 kept: the put names it)
     assert free and all(free)  # the lock was let go after each piece
     removed = [hs for kind, hs, _ in h.events if kind is EventKind.REMOVED]
     assert removed == [[key(1)], [key(2)], [key(3)], [key(4)]]
     assert h.present() == {0, 5, 6, 7, 8, 100, 101}
+
+
+def test_a_put_that_is_refused_or_writes_nothing_evicts_nothing() -> None:
+    """The drain's share is evicted only after a grant with slots: a put refused for
+    max_pending_puts, or one whose blocks are all stored or being written, evicts nothing,
+    also with usage above the high watermark."""
+    h = Harness(slots=12, high_watermark=0.75, low_watermark=0.5, max_pending_puts=1)
+    h.put(list(range(9)))
+    for i in range(9):
+        h.store.pin([key(i)], None)
+    h.put([100])  # above high now (10 of 12): the drain found nothing and stopped
+    for i in range(9):
+        h.store.unpin([key(i)])
+    assert h.store.summary()["evictions"] == 0
+    grant = h.store.put_start(NS, [key(0), key(100)], BLOCK)  # all stored: nothing to write
+    assert grant.put_id == 0
+    assert h.store.summary()["evictions"] == 0
+    h.store.put_start(NS, [key(200)], BLOCK)  # one put in flight: the limit (it drains: 2 go)
+    evicted = h.store.summary()["evictions"]
+    with pytest.raises(CapacityExhausted, match="max_pending_puts"):
+        h.store.put_start(NS, [key(201)], BLOCK)
+    assert h.store.summary()["evictions"] == evicted
