@@ -278,10 +278,7 @@ class DeviceTier:
         (demotes) by policy its own room and as much again until usage is at the low watermark
         (storage/watermarks.py). 1.0 / 1.0 evicts only when a copy finds no room."""
         floor = self._drain.floor(self._alloc.used_bytes, need_bytes, self.capacity_bytes)
-        while floor is not None and self._alloc.used_bytes > floor:
-            if not self._evict_one():
-                self._drain.stuck()
-                break
+        self._drain.evict(floor, lambda: self._alloc.used_bytes, self._evict_one)
 
     def _evict_one(self) -> bool:
         key = self._policy.pop_victim(lambda k: k in self._index)

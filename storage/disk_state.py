@@ -204,10 +204,7 @@ class DiskState:
         when no slot is free."""
         capacity = self.file_limit * self.slab_file_bytes
         floor = self.drain.floor(self.slots.used_bytes, slot_bytes, capacity)
-        while floor is not None and self.slots.used_bytes > floor:
-            if not self.evict_one(victims):
-                self.drain.stuck()
-                break
+        self.drain.evict(floor, lambda: self.slots.used_bytes, lambda: self.evict_one(victims))
 
     def evict_one(self, victims: list[DiskEntry]) -> bool:
         """Evict one committed block by policy (never one being read); False if none can go."""

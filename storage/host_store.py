@@ -341,22 +341,17 @@ class HostStore:
         put reported present, never evicted for it. ``drain_to`` is a usage level: puts that
         allocate meanwhile raise usage and this share evicts for them too (bounded by the low
         watermark the level was set from)."""
-        done = False
-        while not done:
+        used, evict_one = (lambda: self._alloc.used_bytes), (lambda: self._evict_one(None))
+        while True:
             with self._lock:
                 self._protected = keep
                 try:
-                    for _ in range(DRAIN_LOCK_BLOCKS):
-                        if self._alloc.used_bytes <= drain_to:
-                            done = True
-                            break
-                        if not self._evict_one(None):
-                            self._drain.stuck()
-                            done = True
-                            break
+                    done = self._drain.evict(drain_to, used, evict_one, DRAIN_LOCK_BLOCKS)
                 finally:
                     self._protected = set()
                     self._report_evicted()
+            if done:
+                return
             time.sleep(0)  # let a waiting caller take the lock
 
     def _split_new(self, keys: list[bytes]) -> tuple[list[int], list[int], list[int], list[bytes]]:

@@ -22,6 +22,8 @@ tier holds one ``WatermarkDrain`` and calls it under the tier's lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 #: a write during a drain evicts its own room plus at most this many times as much again
 EVICT_AHEAD = 1
 
@@ -51,6 +53,23 @@ class WatermarkDrain:
         if floor <= target:
             self.draining = False  # this write finishes the drain
         return floor
+
+    def evict(
+        self, floor: float | None, used_bytes: Callable[[], int], evict_one: Callable[[], bool], limit: int = 0
+    ) -> bool:
+        """Evict with ``evict_one`` (the tier's policy victim; False when nothing may go) while
+        ``used_bytes()`` is above ``floor`` (from ``floor``; None: nothing); when nothing more
+        can go the drain stops (``stuck``). True when done; False when ``limit`` evictions
+        (0: no limit) ran first and the caller should come back for the rest."""
+        evicted = 0
+        while floor is not None and used_bytes() > floor:
+            if limit and evicted >= limit:
+                return False
+            if not evict_one():
+                self.stuck()
+                break
+            evicted += 1
+        return True
 
     def stuck(self) -> None:
         """Nothing more could be evicted (leased, pinned, being read or written): stop the
