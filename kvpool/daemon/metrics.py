@@ -157,7 +157,8 @@ class NodeCollector(Collector):
     """Reads a ``PoolNode``'s counters each scrape (one store lock, one counters lock)."""
 
     def __init__(self, node: PoolNode, extra: Callable[[], Mapping[str, Any]] | None = None) -> None:
-        """``extra``: more counters read at each scrape (the same-host socket's)."""
+        """``extra``: more counters read at each scrape (the process's: the same-host socket's,
+        the garbage collector's)."""
         self._node = node
         self._extra = extra
 

@@ -115,6 +115,7 @@ class PoolServer:
             arena_socket=self.handoff.path if self.handoff is not None else "",
             local_socket=local_path,
             local_keys=local_keys,
+            process_summary=self._process_summary,
         )
         limit = min(config.max_message_bytes, max_request_bytes(config.store.max_batch_blocks))
         methods = add_typed_service(self._server, service, pool_pb2, "Pool", limit)
@@ -130,7 +131,6 @@ class PoolServer:
                 socket_mode=config.arena_socket_mode,
                 timer=(lambda name, h: rpc.timed(name, h, service="pool-local")) if config.metrics_listen else None,
             )
-        service.process_summary = self._process_summary
         self._stopped = threading.Event()
         self.cluster: Any = None  # kvpool.daemon.cluster_node.ClusterAgent when cluster mode is on
 

@@ -131,16 +131,17 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         arena_socket: str = "",
         local_socket: str = "",
         local_keys: LocalCallKeys | None = None,
+        process_summary: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         """``arena_socket``: where clients get the arena (memfd hand-off), "" = by path;
-        ``local_socket``: where same-host clients may send unary calls (kvpool.rpc.local_call), "" = none."""
+        ``local_socket``: where same-host clients may send unary calls (kvpool.rpc.local_call), "" = none;
+        ``process_summary``: the process's own counters for Stats (the local-call socket's, the
+        garbage collector's), read at each call."""
         self.node = node
         self.arena_socket = arena_socket
         self.local_socket = local_socket
         self.local_keys = local_keys if local_keys is not None else LocalCallKeys()
-        #: the same-host socket's counters, for Stats (set by the server that runs it)
-        # the process's own counters for Stats: the local-call socket's and the garbage collector's
-        self.process_summary: Callable[[], Mapping[str, Any]] | None = None
+        self.process_summary = process_summary
         self.credentials = credentials
         # each Events stream holds a worker thread: bound them so control calls always get one
         self._subscriber_slots = threading.BoundedSemaphore(max_event_subscribers)
