@@ -70,6 +70,20 @@ class _Channel:
             f"the kvpool daemon did not answer {method} in {self._timeout_s} s", hint="is it overloaded?"
         )
 
+    def _gone(self, exc: BaseException) -> LocalCallClosed:
+        """The socket is missing or nobody listens: no local calls until the next Hello."""
+        return LocalCallClosed(f"the local-call socket {self.path} is gone ({exc})", False, True)
+
+    def _cannot_open(self, exc: BaseException) -> LocalCallClosed:
+        return LocalCallClosed(f"cannot open the local-call socket {self.path}: {exc!r}", sent=False)
+
+
+def _reply(body: bytes, reply_cls: Any) -> Any:
+    """A call's answer: its reply, or the daemon's typed error raised."""
+    if body[:1] == OK:
+        return reply_cls.FromString(body[1:])
+    raise unpack_error(body)
+
 
 class LocalChannel(_Channel):
     """Thread-safe; ``open`` makes the first connection (and so checks the daemon)."""
@@ -118,10 +132,10 @@ class LocalChannel(_Channel):
             return conn
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             self._forget(conn)
-            raise LocalCallClosed(f"the local-call socket {self.path} is gone ({exc})", False, True) from None
+            raise self._gone(exc) from None
         except (OSError, ValueError) as exc:
             self._forget(conn)
-            raise LocalCallClosed(f"cannot open the local-call socket {self.path}: {exc}", sent=False) from None
+            raise self._cannot_open(exc) from None
         except BaseException:
             self._forget(conn)
             raise
@@ -181,9 +195,7 @@ class LocalChannel(_Channel):
                 self._forget(conn)
                 raise
             self._release(conn)
-            if body[:1] == OK:
-                return reply_cls.FromString(body[1:])
-            raise unpack_error(body)
+            return _reply(body, reply_cls)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -234,10 +246,10 @@ class AsyncLocalChannel(_Channel):
             return reader, writer
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             self._forget(writer)
-            raise LocalCallClosed(f"the local-call socket {self.path} is gone ({exc})", False, True) from None
+            raise self._gone(exc) from None
         except (OSError, ValueError, asyncio.IncompleteReadError) as exc:  # TimeoutError is an OSError
             self._forget(writer)
-            raise LocalCallClosed(f"cannot open the local-call socket {self.path}: {exc!r}", sent=False) from None
+            raise self._cannot_open(exc) from None
         except BaseException:
             self._forget(writer)
             raise
@@ -287,9 +299,7 @@ class AsyncLocalChannel(_Channel):
                 self._forget(writer)
                 raise
             self._release((reader, writer))
-            if body[:1] == OK:
-                return reply_cls.FromString(body[1:])
-            raise unpack_error(body)
+            return _reply(body, reply_cls)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
