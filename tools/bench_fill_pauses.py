@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -30,29 +29,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pool import free_port, key_hashes
+from bench_pool import daemon, key_hashes
 
 from kvpool import KVSpec, PoolClient
 from kvpool.client.admin import PoolAdmin
 
 MARGIN_BYTES = 512 << 20
-
-
-def start_daemon(capacity_bytes: int, gc_freeze: str) -> tuple[subprocess.Popen[bytes], str]:
-    address = f"127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address, "--log-level", "WARNING"]
-    argv += ["--capacity-bytes", str(capacity_bytes), "--gc-freeze", gc_freeze]
-    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with PoolAdmin(address) as admin:
-                admin.stats()
-            return proc, address
-        except Exception:  # not up yet
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"daemon did not start: {' '.join(argv)}")
 
 
 def probe(address: str, spec: KVSpec, every_s: float, stop: threading.Event, out: dict[str, list[float]],
@@ -78,13 +60,13 @@ def run(args: argparse.Namespace, gc_freeze: str) -> dict[str, dict[str, float]]
     rng = np.random.default_rng(0)
     src = rng.integers(0, 255, args.per_put * block_bytes, dtype=np.uint8).view(np.float16)
     src = src.reshape(args.per_put, *spec.block_shape)
-    proc, address = start_daemon(args.blocks * block_bytes + MARGIN_BYTES, gc_freeze)
     fill_puts = args.blocks // args.per_put
     phases = {"fill": range(fill_puts), "churn": range(fill_puts, fill_puts + int(fill_puts * args.churn))}
     puts: dict[str, list[float]] = {}
     lookups: dict[str, list[float]] = {}
     phase = ["fill"]
-    try:
+    # the daemon's default slab size: a pool as `kvpool serve` makes it
+    with daemon(args.blocks * block_bytes + MARGIN_BYTES, "--gc-freeze", gc_freeze, slab_bytes="") as address:
         stop = threading.Event()
         prober = threading.Thread(target=probe, args=(address, spec, args.probe_ms / 1000, stop, lookups, phase))
         with PoolClient.connect(address, spec, salt=b"fill") as client:
@@ -103,9 +85,6 @@ def run(args: argparse.Namespace, gc_freeze: str) -> dict[str, dict[str, float]]
                 prober.join()
         with PoolAdmin(address) as admin:
             stats = admin.stats()
-    finally:
-        proc.terminate()
-        proc.wait(60)
     gc_pause_ms = float(stats.get("gc_full_pause_seconds_max", float("nan"))) * 1e3
     return {name: figures(puts[name], lookups.get(name, [0.0]), gc_pause_ms) for name in puts}
 

@@ -57,10 +57,12 @@ SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
 
 
-def start_daemon(capacity_bytes: int, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(capacity_bytes: int, *extra: str, slab_bytes: str = "64MiB") -> tuple[subprocess.Popen[bytes], str]:
+    """A daemon on a free loopback port with ``extra`` flags; ``slab_bytes`` "" = the daemon's default."""
     address = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address]
-    argv += ["--capacity-bytes", str(capacity_bytes), "--slab-bytes", "64MiB", "--log-level", "WARNING", *extra]
+    argv += ["--capacity-bytes", str(capacity_bytes), "--log-level", "WARNING", *extra]
+    argv += ["--slab-bytes", slab_bytes] if slab_bytes else []
     proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -74,8 +76,8 @@ def start_daemon(capacity_bytes: int, *extra: str) -> tuple[subprocess.Popen[byt
 
 
 @contextmanager
-def daemon(capacity_bytes: int, *extra: str) -> Iterator[str]:
-    proc, address = start_daemon(capacity_bytes, *extra)
+def daemon(capacity_bytes: int, *extra: str, slab_bytes: str = "64MiB") -> Iterator[str]:
+    proc, address = start_daemon(capacity_bytes, *extra, slab_bytes=slab_bytes)
     try:
         yield address
     finally:
