@@ -73,14 +73,19 @@ def check_can_fit(store: HostStore, count: int, block_bytes: int, owner: int = 0
         return
     same_class = 0  # evictable blocks in this owner's slabs of this size class
     evictable_per_slab: dict[int, int] = {}
+    usable: dict[int, bool] = {}  # slab -> of this size class and owner (asked once a slab)
+    slab_bytes, evictable = alloc.slab_bytes, store._evictable
     for key, entry in store._index.items():
-        if store._evictable(key):
-            slab = alloc.slab_of(entry.offset)
+        if evictable(key):
+            slab = entry.offset // slab_bytes
             evictable_per_slab[slab] = evictable_per_slab.get(slab, 0) + 1
-            if (
-                alloc.slot_bytes_at(entry.offset) == slot_bytes
-                and alloc.segment_owner(alloc.segment_of(entry.offset)) == owner
-            ):
+            mine = usable.get(slab)
+            if mine is None:
+                offset = slab * slab_bytes
+                mine = usable[slab] = (
+                    alloc.slot_bytes_at(offset) == slot_bytes and alloc.segment_owner(alloc.segment_of(offset)) == owner
+                )
+            if mine:
                 same_class += 1
                 if free_now + same_class >= count:
                     return

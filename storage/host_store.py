@@ -35,7 +35,7 @@ Guarantees (checked by tests/property/test_store_*):
 The store works on a plain uint8 buffer so tests can run it without shared memory; the
 daemon hands it the mapped arena. Its records and results are in ``host_types.py``, its
 debug checks in ``host_checks.py``, the room-making rules in ``host_room.py``; what stays
-here (~860 lines) is the one state machine under the one lock, kept whole on purpose: every
+here (~890 lines) is the one state machine under the one lock, kept whole on purpose: every
 transition above is a method whose lock scope can be read in one place (one exception: a
 put's share of a watermark drain is evicted after its grant, in pieces, ``_drain_after``).
 """
@@ -718,8 +718,9 @@ class HostStore:
             return False
         return entry.soft_pin_until_ms <= self._clock.now_ms()
 
-    def _evict_one(self, within: Callable[[bytes], bool] | None = None) -> bool:
-        """Evict the policy's next victim (only among blocks whose namespace is ``within``, if given)."""
+    def _pop_victim(self, within: Callable[[bytes], bool] | None) -> Entry | None:
+        """The policy's next victim, taken out of its order (only among blocks whose
+        namespace is ``within``, if given); None when nothing may be evicted."""
         evictable = self._evictable
         if within is not None:
             index = self._index
@@ -728,16 +729,46 @@ class HostStore:
                 return within(index[key].namespace) and self._evictable(key)
 
         key = self._policy.pop_victim(evictable)
-        if key is None:
+        return None if key is None else self._index[key]
+
+    def _evict_one(self, within: Callable[[bytes], bool] | None = None) -> bool:
+        """Evict the policy's next victim (only among blocks whose namespace is ``within``, if given)."""
+        entry = self._pop_victim(within)
+        if entry is None:
             return False
-        self._evict_entry(self._index[key])
+        self._evict_entry(entry)
         return True
 
-    def _evict_entry(self, entry: Entry) -> None:
-        """Evict one block the policy has let go of: demote it (``on_evict``), free its slot."""
+    def _evict_for_slots(
+        self, offsets: list[int], count: int, block_bytes: int, owner: int, within: Callable[[bytes], bool] | None
+    ) -> bool:
+        """Evict for a put whose size class has no free slot (``alloc_many`` just came back
+        empty), until ``offsets`` holds ``count`` slots: a victim's slot that the allocator
+        would hand out right after freeing it (``SlabAllocator.can_hand_over``, the usual
+        victim of a full pool) goes straight into ``offsets``, still allocated; at the first
+        other victim, its slot is freed and the caller asks the allocator again (that slot
+        may have emptied a slab). Exactly the victims and slots of evicting one block and
+        allocating again each time, without the free and the two allocations per block.
+        False when nothing could be evicted."""
+        evicted = False
+        while len(offsets) < count:
+            entry = self._pop_victim(within)
+            if entry is None:
+                return evicted
+            evicted = True
+            if not self._alloc.can_hand_over(entry.offset, block_bytes, owner):
+                self._evict_entry(entry)
+                return True
+            self._evict_entry(entry, keep_slot=True)
+            offsets.append(entry.offset)
+        return True
+
+    def _evict_entry(self, entry: Entry, keep_slot: bool = False) -> None:
+        """Evict one block the policy has let go of: demote it (``on_evict``), free its slot
+        (``keep_slot``: a put takes the slot over as it is, ``_evict_for_slots``)."""
         if self._on_evict is not None:
             self._on_evict(entry, self._buffer[entry.offset : entry.offset + entry.size])
-        self._unindex(entry)
+        self._unindex(entry, keep_slot)
         self.stats.evictions += 1
         self._evicted.append(entry.key)
 
@@ -775,7 +806,9 @@ class HostStore:
                 if got:
                     offsets += got
                     continue
-                if self._evict_one(mine) or (mine is not None and evict_segment(self, owner)):
+                if self._evict_for_slots(offsets, count, block_bytes, owner, mine) or (
+                    mine is not None and evict_segment(self, owner)
+                ):
                     continue
                 raise CapacityExhausted(
                     f"no room for {count} blocks of {block_bytes} bytes: {self._alloc.used_bytes} of "
@@ -810,12 +843,15 @@ class HostStore:
         tenant = self._tenant_of.get(namespace)
         return self._tenant_bytes.get(tenant[0], 0) if tenant is not None else self._ns_bytes.get(namespace, 0)
 
-    def _unindex(self, entry: Entry) -> None:
+    def _unindex(self, entry: Entry, keep_slot: bool = False) -> None:
+        """Take a block out of the index and free its slot, or mark it doomed while leased
+        (freed at its last release); ``keep_slot``: an evicted block's slot that a put takes
+        over (never a leased one: it is not evictable)."""
         self._count(entry.namespace, -entry.size)
         del self._index[entry.key]
         if entry.leases:
             entry.doomed = True
-        else:
+        elif not keep_slot:
             self._alloc.free(entry.offset)
 
     def _drop_lease(self, lease: _Lease) -> None:
