@@ -274,6 +274,19 @@ def mooncake_batches(
         master.wait()
 
 
+def mooncake_missing() -> str:
+    """Why the Mooncake baseline cannot run here ("" when it can): the Python store, the native
+    libraries it loads (Debian's libibverbs1 and librdmacm1) and the master binary beside this Python."""
+    master = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as exc:
+        return f"{exc} (pip install -e '.[bench]'; apt-get install libibverbs1 librdmacm1)"
+    if not os.access(master, os.X_OK):
+        return f"{master} is missing (pip install -e '.[bench]')"
+    return ""
+
+
 def start_mooncake_master(workdir: str, tag: int) -> subprocess.Popen[bytes]:
     with open(os.path.join(workdir, f"mooncake-master-{tag}.log"), "wb") as log:
         master = subprocess.Popen(
@@ -571,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         block_kib, blocks, prefix, ready = args.mooncake_writer
         mooncake_writer(int(block_kib) << 10, int(blocks), prefix, ready)
         return 0
+    missing = "" if args.skip_mooncake else mooncake_missing()
+    if missing:
+        parser.error(f"the Mooncake baseline cannot run here: {missing}; or pass --skip-mooncake")
     if not args.no_netns and os.environ.get("KVPOOL_BENCH_NETNS") != "1":
         inner = " ".join([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])])
         env = {**os.environ, "KVPOOL_BENCH_NETNS": "1"}
