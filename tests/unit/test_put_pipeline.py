@@ -184,14 +184,38 @@ def test_a_mapping_closed_while_the_window_opens_leaves_nothing_writable(
     mapping, fd = client
     writer = mapping._kept_writer()
     assert writer is not None
-    real_helper = writer.helper
+    real_open = writer.open
 
-    def closing_helper() -> Any:
-        writer.close()
-        return real_helper()
+    def open_then_close(start: int, stop: int) -> Any:
+        view = real_open(start, stop)
+        writer.close()  # the helper is shut down: queueing the next piece's open fails
+        return view
 
-    monkeypatch.setattr(writer, "helper", closing_helper)
+    monkeypatch.setattr(writer, "open", open_then_close)
     with pytest.raises(Unavailable):
         mapping.put_window([i * PAGE for i in range(32)], PAGE, own_copy=True)
     assert writable_bytes(fd) == 0
     assert writer._open_runs == {}
+
+
+def test_a_window_takes_the_helper_once_not_under_the_lock_at_each_piece(client: tuple[ArenaMapping, int]) -> None:
+    """``WriteMapping.helper`` takes the lock the helper holds through each switch: asked
+    for at every filled piece, the copy waited out the switch it should run beside."""
+    mapping, fd = client
+    writer = mapping._kept_writer()
+    assert writer is not None
+    calls = 0
+    real_helper = writer.helper
+
+    def counting_helper() -> Any:
+        nonlocal calls
+        calls += 1
+        return real_helper()
+
+    writer.helper = counting_helper  # type: ignore[method-assign]
+    offsets = [i * PAGE for i in range(32)]
+    with mapping.put_window(offsets, PAGE, own_copy=True) as window:
+        assert isinstance(window, PipelinedWindow)
+        write_rows(window, np.ones((32, PAGE), np.uint8), list(range(32)), offsets)
+    assert calls == 1
+    assert writable_bytes(fd) == 0
