@@ -1,10 +1,12 @@
 """A full pool's put takes over its victims' slots (``SlabAllocator.can_hand_over``,
 ``HostStore._evict_for_slots``) instead of freeing each and allocating again: under any
-sequence of puts of two block sizes, leases, pins and removes, with on-demand eviction or
-a watermark drain, a store that hands slots over grants exactly the slots, evicts exactly
-the blocks, reports exactly the events and ends in exactly the allocator state of a store
-that frees and allocates one block at a time (the code before, kept as the reference by
-refusing every hand-over)."""
+sequence of puts, leases, pins, removes and aborted puts, with on-demand eviction or a
+watermark drain, a store that hands slots over grants exactly the slots, evicts exactly the
+blocks, reports exactly the events and ends in exactly the allocator, index, counter and
+eviction-policy state of a store that frees and allocates one block at a time (the code
+before, kept as the reference by refusing every hand-over). Two set-ups: one tenant with two
+block sizes, and three tenants (per-tenant segments, quotas, sizes sharing a slot class and
+one taking a whole slab, every eviction policy)."""
 
 from __future__ import annotations
 
@@ -22,160 +24,61 @@ from kvpool.core.errors import CapacityExhausted
 from kvpool.storage.eviction import POLICIES, make_policy
 from kvpool.storage.host_store import HostStore
 
-SMALL, LARGE = 200, 500  # slots of 256 and 512 bytes: 4 or 2 a slab
 SLAB = 1024
-SLABS = 6
-NS = b"\x07" * 16
-
-IDS = st.integers(0, 40)
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("put"), st.sampled_from([SMALL, LARGE]), st.lists(IDS, min_size=1, max_size=9)),
-        st.tuples(st.just("lease"), st.just(0), st.lists(st.integers(0, 40), min_size=1, max_size=3)),
-        st.tuples(st.just("release"), st.just(0), st.just([])),
-        st.tuples(st.just("pin"), st.just(0), st.lists(st.integers(0, 40), min_size=1, max_size=2)),
-        st.tuples(st.just("remove"), st.just(0), st.lists(st.integers(0, 40), min_size=1, max_size=3)),
-    ),
-    min_size=1,
-    max_size=40,
-)
-
-
-def key(size: int, i: int) -> bytes:
-    """Keys of the two sizes never collide (a key names one block size, as a namespace does)."""
-    return bytes([size % 251]) + i.to_bytes(15, "big")
-
-
-class Run:
-    """One store and what it did, step by step."""
-
-    def __init__(self, watermarks: tuple[float, float], hand_over: bool) -> None:
-        high, low = watermarks
-        config = StoreConfig(capacity_bytes=SLABS * SLAB, slab_bytes=SLAB, high_watermark=high, low_watermark=low)
-        self.buffer = np.zeros(config.capacity_bytes, dtype=np.uint8)
-        self.log: list[Any] = []
-        self.store = HostStore(self.buffer, config, FakeClock(), on_event=lambda k, h, n: self.log.append((k, list(h))))
-        if not hand_over:  # the reference: every victim's slot is freed and allocated again
-            self.store._alloc.can_hand_over = lambda offset, block_bytes, owner: False  # type: ignore[method-assign]
-        self.leases: list[int] = []
-
-    def step(self, op: str, size: int, ids: list[int]) -> None:
-        store = self.store
-        if op == "put":
-            keys = [key(size, i) for i in ids]
-            try:
-                grant = store.put_start(NS, keys, size)
-            except CapacityExhausted:
-                self.log.append("full")
-                return
-            self.log.append(("grant", grant.indices, grant.offsets, grant.already_present, grant.in_flight))
-            sums = []
-            for index, offset in grant.slots:
-                data = np.full(size, ids[index] % 251, dtype=np.uint8)
-                self.buffer[offset : offset + size] = data
-                sums.append(checksum64(data))
-            if grant.put_id:
-                self.log.append(("commit", store.put_commit(grant.put_id, sums).committed))
-        elif op == "lease":
-            grant = store.lease([key(SMALL, i) for i in ids])
-            if grant.lease_id:
-                self.leases.append(grant.lease_id)
-        elif op == "release" and self.leases:
-            store.release(self.leases.pop(0))
-        elif op == "pin":
-            store.pin([key(SMALL, i) for i in ids] + [key(LARGE, i) for i in ids], None)
-        elif op == "remove":
-            store.remove([key(SMALL, i) for i in ids] + [key(LARGE, i) for i in ids])
-
-    def state(self) -> Any:
-        alloc = self.store._alloc
-        slabs = [(alloc.slot_bytes_at(s * SLAB), alloc.slab_used_slots(s)) for s in range(alloc.num_slabs)]
-        index = sorted((k, e.offset) for k, e in self.store._index.items())
-        return slabs, alloc.used_bytes, alloc.free_slabs(), index, self.store.summary()["evictions"]
-
-
-@settings(max_examples=150, deadline=None)
-@given(ops=OPS, watermarks=st.sampled_from([(1.0, 1.0), (0.9, 0.6), (0.75, 0.5)]))
-def test_handing_victims_slots_over_is_exactly_freeing_and_allocating_them(
-    ops: list[tuple[str, int, list[int]]], watermarks: tuple[float, float]
-) -> None:
-    fast, reference = Run(watermarks, hand_over=True), Run(watermarks, hand_over=False)
-    for op in ops:
-        fast.step(*op)
-        reference.step(*op)
-        assert fast.log == reference.log
-        assert fast.state() == reference.state()
-        fast.store.check_invariants()
-
-
-def test_a_full_pool_of_one_size_hands_every_victims_slot_over() -> None:
-    """The case it is for: a pool full of one block size, a put of new blocks of that size;
-    each slot granted is a slot an evicted block held, and nothing was freed and allocated."""
-    run = Run((1.0, 1.0), hand_over=True)
-    per_slab = SLAB // 256
-    run.step("put", SMALL, list(range(SLABS * per_slab)))  # full
-    held = {e.offset for e in run.store._index.values()}
-    frees: list[int] = []
-    free = run.store._alloc.free
-    run.store._alloc.free = lambda offset: frees.append(offset) or free(offset)  # type: ignore[method-assign]
-    run.step("put", SMALL, [100, 101, 102])
-    grant = next(entry for entry in reversed(run.log) if entry[0] == "grant")
-    assert set(grant[2]) <= held and len(grant[2]) == 3
-    assert frees == []
-    assert run.store.summary()["evictions"] == 3
-
-
-# -- the same equivalence with everything else a victim's slot can meet --------------------------
-# Three tenants, two of them sharing a per-tenant arena's segment owner; block sizes of 200 and
-# 250 bytes share the 256-byte slot class (a victim of the other size may hand its slot over),
-# 500 bytes is a class of its own, 600 bytes takes a whole slab (a slot that must not be handed
-# over: freeing it gives its slab back to the segment); namespace quotas; puts aborted after their bytes were
-# written; a demotion hook that checks it was handed the victim's committed bytes (a slot
-# handed over must not be written before its victim was demoted); every eviction policy.
-TENANTS = [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16]
-SIZES = [200, 250, 500, 600]
 SEGMENT = 2 * SLAB
-WIDE_IDS = st.integers(0, 60)
+TENANTS = [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16]
+# slots of 256 bytes (200 and 250: one class, a victim of either size may hand its slot to
+# the other), 512 bytes, and a whole slab (600: a slot that must not be handed over, since
+# freeing it gives its slab back to the segment)
+SMALL, SHARED_CLASS, LARGE, WHOLE_SLAB = 200, 250, 500, 600
+
+Op = tuple[str, int, int, list[int], bool]  # (op, tenant, block bytes, ids, abort the put)
 
 
-def tenant_op(name: str, most: int) -> st.SearchStrategy[tuple[str, int, int, list[int], bool]]:
-    return st.tuples(
-        st.just(name),
-        st.integers(0, 2),
-        st.sampled_from(SIZES),
-        st.lists(WIDE_IDS, min_size=1, max_size=most),
-        st.booleans() if name == "put" else st.just(False),
+def ops(tenants: int, sizes: list[int], ids: int, most_put: int, most_steps: int) -> st.SearchStrategy[list[Op]]:
+    def op(name: str, most: int) -> st.SearchStrategy[Op]:
+        return st.tuples(
+            st.just(name),
+            st.integers(0, tenants - 1),
+            st.sampled_from(sizes),
+            st.lists(st.integers(0, ids), min_size=1, max_size=most),
+            st.booleans() if name == "put" and tenants > 1 else st.just(False),
+        )
+
+    steps = st.one_of(
+        op("put", most_put),
+        op("put", most_put),
+        op("put", most_put),
+        op("lease", 3),
+        op("release", 1),
+        op("pin", 2),
+        op("remove", 3),
     )
+    return st.lists(steps, min_size=1, max_size=most_steps)
 
 
-TENANT_OPS = st.lists(
-    st.one_of(
-        tenant_op("put", 12),
-        tenant_op("put", 12),
-        tenant_op("put", 12),
-        tenant_op("lease", 3),
-        tenant_op("release", 1),
-        tenant_op("pin", 2),
-        tenant_op("remove", 3),
-    ),
-    min_size=1,
-    max_size=50,
-)
-
-
-def tenant_key(tenant: int, size: int, i: int) -> bytes:
+def key(tenant: int, size: int, i: int) -> bytes:
+    """Keys of two sizes never collide (a key names one block size, as a namespace does)."""
     return bytes([tenant, size % 251]) + i.to_bytes(14, "big")
 
 
-class TenantRun:
-    """One store of three tenants and what it did, step by step."""
+class Run:
+    """One store and what it did, step by step. Its demotion hook checks that it was handed
+    each victim's committed bytes (a slot handed over must not be written before its victim
+    was demoted)."""
 
     def __init__(
-        self, policy: str, segments: bool, watermarks: tuple[float, float], quota_bytes: int, hand_over: bool
+        self,
+        hand_over: bool,
+        slabs: int,
+        watermarks: tuple[float, float] = (1.0, 1.0),
+        policy: str = "lru",
+        segments: bool = False,
+        quota_bytes: int = 0,
     ) -> None:
         high, low = watermarks
         config = StoreConfig(
-            capacity_bytes=8 * SLAB,
+            capacity_bytes=slabs * SLAB,
             slab_bytes=SLAB,
             high_watermark=high,
             low_watermark=low,
@@ -202,12 +105,12 @@ class TenantRun:
         if segments:
             owners = {TENANTS[0]: 0, TENANTS[1]: 1, TENANTS[2]: 1}
             self.store.set_segment_owners(owners, lambda *args: self.log.append(("new owner", *args)))
-        if not hand_over:
+        if not hand_over:  # the reference: every victim's slot is freed and allocated again
             self.store._alloc.can_hand_over = lambda offset, block_bytes, owner: False  # type: ignore[method-assign]
         self.leases: list[int] = []
 
     def step(self, op: str, tenant: int, size: int, ids: list[int], abort: bool) -> None:
-        store, keys = self.store, [tenant_key(tenant, size, i) for i in ids]
+        store, keys = self.store, [key(tenant, size, i) for i in ids]
         if op == "put":
             try:
                 grant = store.put_start(TENANTS[tenant], keys, size)
@@ -248,32 +151,59 @@ class TenantRun:
         return slabs, usage, owners, index, policy
 
 
+def same_steps(fast: Run, reference: Run, steps: list[Op]) -> None:
+    for step in steps:
+        fast.step(*step)
+        reference.step(*step)
+        assert fast.log == reference.log
+        assert fast.state() == reference.state()
+        assert not fast.wrong_demotions
+        fast.store.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=ops(tenants=1, sizes=[SMALL, LARGE], ids=40, most_put=9, most_steps=40),
+    watermarks=st.sampled_from([(1.0, 1.0), (0.9, 0.6), (0.75, 0.5)]),
+)
+def test_handing_victims_slots_over_is_exactly_freeing_and_allocating_them(
+    steps: list[Op], watermarks: tuple[float, float]
+) -> None:
+    same_steps(Run(True, 6, watermarks), Run(False, 6, watermarks), steps)
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @settings(max_examples=60, deadline=None)
 @given(
-    ops=TENANT_OPS,
+    steps=ops(tenants=3, sizes=[SMALL, SHARED_CLASS, LARGE, WHOLE_SLAB], ids=60, most_put=12, most_steps=50),
     segments=st.booleans(),
     watermarks=st.sampled_from([(1.0, 1.0), (0.9, 0.6)]),
     quota_bytes=st.sampled_from([0, 2048]),
 )
 def test_hand_over_equals_free_and_allocate_with_tenants_quotas_aborts_demotions_and_every_policy(
-    policy: str,
-    ops: list[tuple[str, int, int, list[int], bool]],
-    segments: bool,
-    watermarks: tuple[float, float],
-    quota_bytes: int,
+    policy: str, steps: list[Op], segments: bool, watermarks: tuple[float, float], quota_bytes: int
 ) -> None:
     if segments:
         watermarks = (1.0, 1.0)  # per-tenant segments evict on demand only
-    fast = TenantRun(policy, segments, watermarks, quota_bytes, hand_over=True)
-    reference = TenantRun(policy, segments, watermarks, quota_bytes, hand_over=False)
-    for tenant in (0, 1):  # room taken by two tenants before the random steps
-        for run in (fast, reference):
-            run.step("put", tenant, 200, list(range(100, 112)), False)
-    for op in ops:
-        fast.step(*op)
-        reference.step(*op)
-        assert fast.log == reference.log
-        assert fast.state() == reference.state()
-        assert not fast.wrong_demotions
-        fast.store.check_invariants()
+    fast = Run(True, 8, watermarks, policy, segments, quota_bytes)
+    reference = Run(False, 8, watermarks, policy, segments, quota_bytes)
+    room_taken = [("put", tenant, SMALL, list(range(100, 112)), False) for tenant in (0, 1)]
+    same_steps(fast, reference, room_taken + steps)
+
+
+def test_a_full_pool_of_one_size_hands_every_victims_slot_over() -> None:
+    """The case it is for: a pool full of one block size, a put of new blocks of that size;
+    each slot granted is a slot an evicted block held, and nothing was freed and allocated."""
+    slabs = 6
+    run = Run(True, slabs)
+    per_slab = SLAB // 256
+    run.step("put", 0, SMALL, list(range(slabs * per_slab)), False)  # full
+    held = {e.offset for e in run.store._index.values()}
+    frees: list[int] = []
+    free = run.store._alloc.free
+    run.store._alloc.free = lambda offset: frees.append(offset) or free(offset)  # type: ignore[method-assign]
+    run.step("put", 0, SMALL, [100, 101, 102], False)
+    grant = next(entry for entry in reversed(run.log) if entry[0] == "grant")
+    assert set(grant[2]) <= held and len(grant[2]) == 3
+    assert frees == []
+    assert run.store.summary()["evictions"] == 3
