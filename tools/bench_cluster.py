@@ -274,10 +274,15 @@ def mooncake_batches(
         master.wait()
 
 
+def mooncake_master_path() -> str:
+    """Where ``pip install mooncake-transfer-engine-non-cuda`` puts the master: beside this Python."""
+    return os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+
+
 def mooncake_missing() -> str:
     """Why the Mooncake baseline cannot run here ("" when it can): the Python store, the native
-    libraries it loads (Debian's libibverbs1 and librdmacm1) and the master binary beside this Python."""
-    master = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    libraries it loads (Debian's libibverbs1 and librdmacm1) and the master binary."""
+    master = mooncake_master_path()
     try:
         from mooncake.store import MooncakeDistributedStore  # noqa: F401
     except ImportError as exc:
@@ -291,7 +296,7 @@ def start_mooncake_master(workdir: str, tag: int) -> subprocess.Popen[bytes]:
     with open(os.path.join(workdir, f"mooncake-master-{tag}.log"), "wb") as log:
         master = subprocess.Popen(
             [
-                os.path.join(os.path.dirname(sys.executable), "mooncake_master"),
+                mooncake_master_path(),
                 "--rpc_address=127.0.0.1",
                 "--enable_http_metadata_server=true",
                 "--http_metadata_server_host=127.0.0.1",
