@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault
+from kvpool.storage.thp import THP_HINT, ShmemThp, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
@@ -171,6 +172,10 @@ class SharedArena(ArenaMapping):
     ) -> None:
         super().__init__(path, capacity_bytes, fd, mapping, write_fd)
         self.owner = owner
+        #: on transparent huge pages of shared memory (``storage/thp.py``), not reserved ones
+        self.transparent = False
+        #: bytes of the arena on huge pages: all of it on reserved ones, what the kernel gave on transparent ones
+        self.huge_bytes = capacity_bytes if self.huge_pages else 0
 
     @classmethod
     def create(
@@ -233,15 +238,22 @@ class SharedArena(ArenaMapping):
         allow_overcommit: bool = False,
         meminfo_path: str = MEMINFO_PATH,
         huge_pages: bool = False,
+        transparent: ShmemThp | None = None,
     ) -> SharedArena:
         """A new arena in an anonymous memfd (no file name to open), sealed against shrinking
         and growing: a client that holds its descriptor cannot make the daemon's pages vanish
         (SIGBUS) by truncating it. Checked against ``MemAvailable`` and reserved up front like
-        ``create`` (a memfd's pages are shared memory)."""
+        ``create`` (a memfd's pages are shared memory). ``huge_pages``: on reserved huge pages;
+        ``transparent`` (the host's ``storage.thp.ShmemThp``): on transparent huge pages of
+        shared memory, ``HugePagesUnavailable`` where the host gives shared memory none."""
         if capacity_bytes <= 0:
             raise InvalidArgument("arena capacity_bytes must be positive")
         if huge_pages:
             return cls._create_huge_memfd(capacity_bytes, name_hint, meminfo_path)
+        if transparent is not None and not transparent.usable:
+            raise HugePagesUnavailable(
+                f"transparent huge pages for shared memory are off here ({transparent.describe()})", hint=THP_HINT
+            )
         available = available_memory_bytes(meminfo_path)
         short = available is not None and capacity_bytes > available
         if short and not allow_overcommit:
@@ -253,16 +265,27 @@ class SharedArena(ArenaMapping):
             fd = os.memfd_create(f"{name_hint}-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise StorageFault(f"cannot create a memfd arena: {exc}", hint="use --arena-handoff file") from exc
+        # transparent huge pages: the file in whole huge pages, so its last one can be huge too
+        page = transparent.page_bytes if transparent is not None else 1
+        file_bytes, taken = -(-capacity_bytes // page) * page, 0
         try:
-            os.ftruncate(fd, capacity_bytes)
-            if not short:
+            os.ftruncate(fd, file_bytes)
+            if transparent is not None:
+                taken = _take_transparent(fd, file_bytes, "the arena", transparent, reserve=not short)
+            elif not short:
                 _reserve(fd, f"memfd:{name_hint}-arena", capacity_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
+            mapping = mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException as exc:
             os.close(fd)
-            raise StorageFault(f"cannot map a {capacity_bytes}-byte memfd arena: {exc}") from exc
-        return cls("", capacity_bytes, True, fd, mapping)
+            if isinstance(exc, OSError):
+                raise StorageFault(f"cannot map a {capacity_bytes}-byte memfd arena: {exc}") from exc
+            raise
+        arena = cls("", capacity_bytes, True, fd, mapping)
+        if transparent is not None:
+            arena.page_bytes, arena.transparent = transparent.page_bytes, True
+            arena.huge_bytes = min(capacity_bytes, taken)
+        return arena
 
     @classmethod
     def _create_huge_memfd(cls, capacity_bytes: int, name_hint: str, meminfo_path: str) -> SharedArena:
@@ -357,6 +380,39 @@ def _reserve(fd: int, path: str, capacity_bytes: int) -> None:
             hint=OVERCOMMIT_HINT,
         ) from None
     log.info("arena %s: %s reserved in %.0f ms", path, _size(capacity_bytes), (time.monotonic() - started) * 1000)
+
+
+def _take_transparent(
+    fd: int, file_bytes: int, what: str, transparent: ShmemThp, reserve: bool, quiet: bool = False
+) -> int:
+    """Take the pages of a new memfd as transparent huge pages (``storage/thp.py``); returns
+    how many bytes got huge ones, and logs it (a warning below 90 %; ``quiet``: only that).
+    ``reserve`` False (``--allow-overcommit`` past the memory): nothing taken, pages come
+    lazily, 4 KiB ones."""
+    if not reserve:
+        log.warning("%s: not reserved (--allow-overcommit), so not on transparent huge pages", what)
+        return 0
+    started = time.monotonic()
+    taken = take_huge_pages(fd, file_bytes, what)
+    if taken is None:
+        log.warning("%s: this kernel cannot take pages with huge-page advice (before 5.14): 4 KiB pages", what)
+        _reserve(fd, f"memfd:{what}", file_bytes)
+        return 0
+    share = taken / file_bytes
+    if quiet and share >= 0.9:
+        return taken
+    log.log(
+        logging.INFO if share >= 0.9 else logging.WARNING,
+        "%s: %s on transparent huge pages (shmem_enabled %s): %.0f %% of it in %d KiB pages, taken in %.0f ms%s",
+        what,
+        _size(file_bytes),
+        transparent.setting,
+        share * 100,
+        transparent.page_bytes >> 10,
+        (time.monotonic() - started) * 1000,
+        "" if share >= 0.9 else " (the host's memory is fragmented: the rest is on 4 KiB pages)",
+    )
+    return taken
 
 
 def _pid_alive(pid: int) -> bool:

@@ -40,8 +40,10 @@ from kvpool.storage.arena import (
     HugePagesUnavailable,
     SharedArena,
     _size,
+    _take_transparent,
     available_memory_bytes,
 )
+from kvpool.storage.thp import THP_HINT, ShmemThp
 
 log = logging.getLogger("kvpool.arena")
 
@@ -49,7 +51,21 @@ log = logging.getLogger("kvpool.arena")
 class SegmentedArena(SharedArena):
     """The daemon's arena as ``num_segments`` memfds in one flat ``view`` (module docstring)."""
 
-    def __init__(self, capacity_bytes: int, segment_bytes: int, *, huge_pages: bool, meminfo_path: str) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        segment_bytes: int,
+        *,
+        huge_pages: bool,
+        meminfo_path: str,
+        transparent: ShmemThp | None = None,
+    ) -> None:
+        """``huge_pages``: each segment on reserved huge pages; ``transparent`` (the host's
+        ``storage.thp.ShmemThp``): on transparent huge pages of shared memory."""
+        if transparent is not None and not transparent.usable:
+            raise HugePagesUnavailable(
+                f"transparent huge pages for shared memory are off here ({transparent.describe()})", hint=THP_HINT
+            )
         if capacity_bytes <= 0 or segment_bytes <= 0 or segment_bytes % ALIGN_BYTES:
             raise InvalidArgument(
                 f"arena segments of {segment_bytes} bytes: they must be a positive multiple of 2 MiB",
@@ -61,7 +77,12 @@ class SegmentedArena(SharedArena):
         self.segment_bytes = segment_bytes
         self.num_segments = -(-capacity_bytes // segment_bytes)
         self._huge = huge_pages
+        self._transparent = transparent
         self.page_bytes = HugePageRoom.measure(meminfo_path).page_bytes if huge_pages else os.sysconf("SC_PAGESIZE")
+        self.transparent = transparent is not None
+        if transparent is not None:
+            self.page_bytes = transparent.page_bytes
+        self._huge_bytes = [0] * self.num_segments  # per segment: its bytes on huge pages
         self._check_room(meminfo_path)
         self._lock = threading.Lock()
         self._fds: list[int] = []
@@ -81,12 +102,19 @@ class SegmentedArena(SharedArena):
         self.view = self._reservation.view[:capacity_bytes]
         self.renewed = 0
         log.info(
-            "arena: %s in %d segments of %s (per-tenant), %d-byte pages",
+            "arena: %s in %d segments of %s (per-tenant), %d-byte pages%s",
             _size(capacity_bytes),
             self.num_segments,
             _size(segment_bytes),
             self.page_bytes,
+            f", {self.huge_bytes / capacity_bytes:.0%} of it on transparent huge pages" if transparent else "",
         )
+
+    @property  # type: ignore[override]
+    def huge_bytes(self) -> int:
+        """Bytes of the arena on huge pages: all on reserved ones; on transparent ones, what
+        the kernel gave each segment when it was made (or made fresh for a new owner)."""
+        return self.capacity_bytes if self._huge else min(self.capacity_bytes, sum(self._huge_bytes))
 
     def _check_room(self, meminfo_path: str) -> None:
         if self._huge:
@@ -112,7 +140,7 @@ class SegmentedArena(SharedArena):
     def _mapped_bytes(self, seg: int) -> int:
         """The segment's bytes, rounded up to whole pages (the last one may be short)."""
         length = min(self.segment_bytes, self.capacity_bytes - seg * self.segment_bytes)
-        page = ALIGN_BYTES if self._huge else os.sysconf("SC_PAGESIZE")
+        page = ALIGN_BYTES if self._huge or self._transparent else os.sysconf("SC_PAGESIZE")
         return -(-length // page) * page
 
     def _new_memfd(self, seg: int) -> int:
@@ -124,7 +152,11 @@ class SegmentedArena(SharedArena):
             raise StorageFault(f"cannot create arena segment {seg}: {exc}", hint="use --arena-handoff file") from exc
         try:
             os.ftruncate(fd, length)
-            os.posix_fallocate(fd, 0, length)  # every page now: no SIGBUS in a client later
+            if self._transparent is not None:  # every page now, as huge ones where the kernel has them
+                what = f"arena segment {seg}"
+                self._huge_bytes[seg] = _take_transparent(fd, length, what, self._transparent, reserve=True, quiet=True)
+            else:
+                os.posix_fallocate(fd, 0, length)  # every page now: no SIGBUS in a client later
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         except OSError as exc:
             os.close(fd)
@@ -132,6 +164,9 @@ class SegmentedArena(SharedArena):
                 f"cannot reserve {_size(length)} for arena segment {seg}: {exc.strerror}",
                 hint="free memory on the host, or lower --capacity-bytes",
             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     def on_owned(self, seg: int, owner: int, generation: int) -> None:

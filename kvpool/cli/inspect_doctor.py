@@ -42,6 +42,7 @@ from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError
 from kvpool.core.unix_path import socket_address
 from kvpool.storage.arena import HugePageRoom
+from kvpool.storage.thp import ShmemThp
 
 ETCD_TIMEOUT_S = 2.0
 
@@ -144,16 +145,36 @@ def _memory(config: DaemonConfig, stats: dict[str, Any] | None) -> Check:
     return Check("memory", "ok", detail)
 
 
-def _arena_pages(config: DaemonConfig, stats: dict[str, Any] | None, room: HugePageRoom) -> Check:
-    """Huge pages or 4 KiB pages: what the running daemon got, or what a start would get."""
+def _arena_pages(
+    config: DaemonConfig, stats: dict[str, Any] | None, room: HugePageRoom, thp: ShmemThp | None = None
+) -> Check:
+    """Huge pages or 4 KiB pages: what the running daemon got, or what a start would get
+    (reserved huge pages, ``room``; transparent ones of shared memory, ``thp``)."""
+    thp = thp if thp is not None else ShmemThp.measure()
     need = room.pages_for(config.store.capacity_bytes)
-    host = f"host: {room.free_pages} of {room.total_pages} huge pages of {human_bytes(room.page_bytes)} free"
+    host = (
+        f"host: {room.free_pages} of {room.total_pages} huge pages of {human_bytes(room.page_bytes)} free, "
+        f"transparent ones for shared memory {'on' if thp.usable else 'off'} ({thp.describe()})"
+    )
     reserve = (
         f"reserve them as root: echo {room.total_pages - room.free_pages + need} > /proc/sys/vm/nr_hugepages, "
-        "then restart the daemon with --arena-huge-pages on"
+        "then restart the daemon with --arena-huge-pages on; or, with nothing reserved, "
+        "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled and --arena-huge-pages thp"
     )
     page_bytes = int(stats.get("arena_page_bytes", 0)) if stats else 0
     asked = str(stats.get("arena_huge_pages", "off")) if stats else config.arena_huge_pages
+    if page_bytes > 4096 and stats and stats.get("arena_transparent"):
+        capacity = max(1, int(stats.get("capacity_bytes", 0)) or config.store.capacity_bytes)
+        share = min(1.0, int(stats.get("arena_huge_bytes", 0)) / capacity)
+        detail = f"the daemon's arena is on transparent huge pages of {human_bytes(page_bytes)}: {share:.0%} of it"
+        if share < 0.9:
+            return Check(
+                "arena pages",
+                "warn",
+                f"{detail} (memory was fragmented at start); {host}",
+                "restart the daemon when more memory is free, or reserve huge pages (--arena-huge-pages on)",
+            )
+        return Check("arena pages", "ok", f"{detail}; {host}")
     if page_bytes > 4096:
         return Check("arena pages", "ok", f"the daemon's arena is on huge pages of {human_bytes(page_bytes)}; {host}")
     if page_bytes:
@@ -163,10 +184,14 @@ def _arena_pages(config: DaemonConfig, stats: dict[str, Any] | None, room: HugeP
         return Check("arena pages", "warn", f"{detail} fell back); {host}", reserve)
     if asked == "off":
         return Check("arena pages", "ok", f"4 KiB pages (--arena-huge-pages off); {host}")
-    if room.page_bytes and room.free_pages >= need:
+    reserved_ok = bool(room.page_bytes) and room.free_pages >= need
+    if asked in ("on", "try") and reserved_ok:
         return Check("arena pages", "ok", f"huge pages: the arena needs {need}; {host}")
-    status = "fail" if asked == "on" else "warn"
-    return Check("arena pages", status, f"the arena needs {need} huge pages; {host}", reserve)
+    if asked in ("thp", "try") and thp.usable:
+        return Check("arena pages", "ok", f"transparent huge pages of shared memory; {host}")
+    status = "warn" if asked == "try" else "fail"
+    what = "transparent huge pages" if asked == "thp" else f"{need} huge pages"
+    return Check("arena pages", status, f"the arena needs {what}; {host}", reserve)
 
 
 def _etcd(endpoints: list[str]) -> Check:

@@ -77,11 +77,14 @@ def attach_arena(
         def fetch(mode: str, put_id: int, segment: int) -> tuple[int, int]:
             return receive_arena_segment(socket_path, mode, put_id, segment, token)
 
-        return SegmentedMapping(socket_path, reply.arena_bytes, reply.arena_segment_bytes, fetch)
-    if reply.arena_socket:
+        arena: ArenaMapping = SegmentedMapping(socket_path, reply.arena_bytes, reply.arena_segment_bytes, fetch)
+    elif reply.arena_socket:
         fd = receive_arena_fd(reply.arena_socket, "r", 0, token)
-        return ArenaMapping.from_fd(fd, reply.arena_bytes, name=reply.arena_socket)
-    return ArenaMapping.attach(reply.arena_path, reply.arena_bytes)
+        arena = ArenaMapping.from_fd(fd, reply.arena_bytes, name=reply.arena_socket)
+    else:
+        arena = ArenaMapping.attach(reply.arena_path, reply.arena_bytes)
+    arena.adopt_page_bytes(reply.arena_page_bytes)
+    return arena
 
 
 def put_window(

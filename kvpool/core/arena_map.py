@@ -80,6 +80,15 @@ class ArenaMapping:
         blksize = os.fstat(fd).st_blksize
         self.page_bytes = blksize if blksize > mmap.PAGESIZE and blksize & (blksize - 1) == 0 else mmap.PAGESIZE
 
+    def adopt_page_bytes(self, page_bytes: int) -> None:
+        """Take the page size the node says its arena is on, where it is larger than the one
+        this mapping found: a transparent huge page's file reports 4 KiB (``storage/thp.py``),
+        and a put window that covers part of a huge page makes the kernel split its mapping
+        into 4 KiB entries (slow to switch again). 0 (a node that does not say) or a size that
+        is not a power of two of at least the base page changes nothing."""
+        if page_bytes > self.page_bytes and page_bytes % mmap.PAGESIZE == 0 and page_bytes & (page_bytes - 1) == 0:
+            self.page_bytes = page_bytes
+
     @property
     def closed(self) -> bool:
         """Whether ``close`` ran (a client that reconnected to a restarted daemon replaced it)."""

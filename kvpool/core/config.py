@@ -184,8 +184,10 @@ class DaemonConfig:
     # "fd" (an anonymous memfd handed over a Unix socket after the token), "auto" (fd with credentials)
     arena_handoff: str = "auto"
     # the arena's pages: "off" (4 KiB shared memory), "on" (reserved huge pages, MFD_HUGETLB;
-    # refuse to start without them), "try" (huge pages where the host has enough, else 4 KiB
-    # with a warning). Huge pages need the memfd hand-off ("auto" becomes fd): storage/arena.py
+    # refuse to start without them), "thp" (transparent huge pages of shared memory, nothing
+    # reserved; refuse to start where the host's shmem_enabled gives none: storage/thp.py),
+    # "try" (reserved ones where the host has enough, else transparent ones where it gives
+    # them, else 4 KiB with a warning). Huge pages need the memfd hand-off ("auto" becomes fd)
     arena_huge_pages: str = "off"
     # per-tenant arenas (docs/security.md): with credentials and the memfd hand-off the arena
     # is made of segments of this many bytes, each owned by one tenant group at a time and
@@ -247,11 +249,12 @@ class DaemonConfig:
             raise InvalidArgument(f"protect_process {self.protect_process!r} is not 'auto', 'on' or 'off'")
         if self.arena_handoff not in ("auto", "file", "fd"):
             raise InvalidArgument(f"arena_handoff {self.arena_handoff!r} is not 'auto', 'file' or 'fd'")
-        if self.arena_huge_pages not in ("off", "on", "try"):
-            raise InvalidArgument(f"arena_huge_pages {self.arena_huge_pages!r} is not 'off', 'on' or 'try'")
-        if self.arena_huge_pages == "on" and self.arena_handoff == "file":
+        if self.arena_huge_pages not in ("off", "on", "thp", "try"):
+            raise InvalidArgument(f"arena_huge_pages {self.arena_huge_pages!r} is not 'off', 'on', 'thp' or 'try'")
+        if self.arena_huge_pages in ("on", "thp") and self.arena_handoff == "file":
             raise InvalidArgument(
-                "--arena-huge-pages on needs the memfd hand-off: a huge-page arena has no file in --arena-dir",
+                f"--arena-huge-pages {self.arena_huge_pages} needs the memfd hand-off: a huge-page arena has no "
+                "file in --arena-dir",
                 hint="use --arena-handoff fd (or auto), or --arena-huge-pages try to fall back to 4 KiB pages",
             )
         if self.arena_segment_bytes < 0 or self.arena_segment_bytes % self.segment_unit_bytes:

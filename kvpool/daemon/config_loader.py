@@ -314,11 +314,14 @@ OPTIONS: list[Option] = [
         "--arena-huge-pages",
         "arena_huge_pages",
         str,
-        "put the arena on the host's reserved huge pages (MFD_HUGETLB; reserve them as root: "
-        "echo N > /proc/sys/vm/nr_hugepages, N = capacity / 2 MiB): 'on' (refuse to start without "
-        "enough free), 'try' (fall back to 4 KiB pages with a warning), 'off'. Copies out of a "
-        "huge-page arena run at private-memory speed; a put's writable window then covers whole "
-        "2 MiB pages. Needs the memfd hand-off ('auto' becomes fd). See docs/tiers.md.",
+        "put the arena on huge pages: 'on' (the host's reserved ones, MFD_HUGETLB; reserve them as "
+        "root: echo N > /proc/sys/vm/nr_hugepages, N = capacity / 2 MiB; refuse to start without "
+        "enough free), 'thp' (transparent huge pages of shared memory, nothing reserved; needs "
+        "/sys/kernel/mm/transparent_hugepage/shmem_enabled set to advise, within_size or always; "
+        "refuse to start otherwise), 'try' (reserved ones, else transparent ones, else 4 KiB pages "
+        "with a warning), 'off'. Copies out of a huge-page arena run at private-memory speed, and "
+        "puts without protection keys switch 512x fewer page entries; a put's writable window then "
+        "covers whole 2 MiB pages. Needs the memfd hand-off ('auto' becomes fd). See docs/tiers.md.",
     ),
     Option(
         "--arena-segment-bytes",

@@ -34,6 +34,7 @@ from kvpool.storage.arena import MEMINFO_PATH, HugePagesUnavailable, SharedArena
 from kvpool.storage.arena_segments import SegmentedArena
 from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
+from kvpool.storage.thp import ShmemThp
 
 log = logging.getLogger("kvpool.node")
 
@@ -55,38 +56,48 @@ class NamespaceInfo:
     spec: KVSpec
 
 
-def create_arena(config: DaemonConfig) -> SharedArena:
+def create_arena(config: DaemonConfig, thp: ShmemThp | None = None) -> SharedArena:
     """The node's arena as ``config`` asks: a memfd handed to admitted clients or a file in
-    ``arena_dir``; on reserved huge pages with ``arena_huge_pages`` on / try ("try" falls
-    back to 4 KiB pages with a warning that says how to reserve them)."""
+    ``arena_dir``; with ``arena_huge_pages`` on reserved huge pages ("on"), on transparent
+    huge pages of shared memory ("thp"), or on the first of those the host has ("try",
+    else 4 KiB pages, with a warning that says how to get either). ``thp``: the host's
+    setting (default: read from sysfs now)."""
     capacity, overcommit, huge = config.store.capacity_bytes, config.store.allow_overcommit, config.arena_huge_pages
-    if config.segment_bytes:  # per tenant: a memfd per segment (storage/arena_segments.py)
-        return create_segmented_arena(config)
     if not config.arena_by_fd:  # no name to open: handed to admitted clients (arena_handoff.py)
         if huge == "try":
             log.warning("arena: 4 KiB pages (--arena-huge-pages try needs --arena-handoff fd or auto)")
         return SharedArena.create(config.arena_dir, capacity, allow_overcommit=overcommit)
-    if huge != "off":
-        try:
-            return SharedArena.create_memfd(capacity, huge_pages=True)
-        except HugePagesUnavailable as err:
-            if huge == "on":
-                raise
-            log.warning("arena: 4 KiB pages, not huge pages: %s (%s)", err.message, err.hint)
-    return SharedArena.create_memfd(capacity, allow_overcommit=overcommit)
+    thp = thp if thp is not None else ShmemThp.measure()
+    if config.segment_bytes:  # per tenant: a memfd per segment (storage/arena_segments.py)
+        segment_bytes = config.segment_bytes
 
+        def make(kind: str) -> SharedArena:
+            return SegmentedArena(
+                capacity,
+                segment_bytes,
+                huge_pages=kind == "on",
+                meminfo_path=MEMINFO_PATH,
+                transparent=thp if kind == "thp" else None,
+            )
+    else:
 
-def create_segmented_arena(config: DaemonConfig) -> SegmentedArena:
-    """A per-tenant arena of ``config.segment_bytes`` segments, on huge pages as asked."""
-    capacity, huge, meminfo = config.store.capacity_bytes, config.arena_huge_pages, MEMINFO_PATH
-    if huge != "off":
-        try:
-            return SegmentedArena(capacity, config.segment_bytes, huge_pages=True, meminfo_path=meminfo)
-        except HugePagesUnavailable as err:
-            if huge == "on":
-                raise
-            log.warning("arena: 4 KiB pages, not huge pages: %s (%s)", err.message, err.hint)
-    return SegmentedArena(capacity, config.segment_bytes, huge_pages=False, meminfo_path=meminfo)
+        def make(kind: str) -> SharedArena:
+            if kind == "on":
+                return SharedArena.create_memfd(capacity, huge_pages=True)
+            transparent = thp if kind == "thp" else None
+            return SharedArena.create_memfd(capacity, allow_overcommit=overcommit, transparent=transparent)
+
+    if huge in ("on", "thp"):
+        return make(huge)  # HugePagesUnavailable says what to set
+    if huge == "try":
+        problems = []
+        for kind in ("on", "thp"):
+            try:
+                return make(kind)
+            except HugePagesUnavailable as err:
+                problems.append(f"{err.message} ({err.hint})")
+        log.warning("arena: 4 KiB pages, not huge pages: %s", "; ".join(problems))
+    return make("off")
 
 
 class PoolNode:

@@ -275,6 +275,7 @@ class PoolService(pool_pb2_grpc.PoolServicer):
             max_batch_blocks=cfg.max_batch_blocks,
             block_bytes=info.spec.block_bytes,
             arena_segment_bytes=getattr(self.node.arena, "segment_bytes", 0),
+            arena_page_bytes=self.node.arena.page_bytes,
         )
 
     @typed_handler
@@ -395,7 +396,9 @@ class PoolService(pool_pb2_grpc.PoolServicer):
         summary["node_id"] = self.node.node_id
         summary["arena_path"] = self.node.arena.path
         summary["arena_page_bytes"] = self.node.arena.page_bytes  # 4096, or the huge page size
-        summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / try
+        summary["arena_huge_pages"] = self.node.config.arena_huge_pages  # what was asked: off / on / thp / try
+        summary["arena_transparent"] = self.node.arena.transparent  # on transparent huge pages (storage/thp.py)
+        summary["arena_huge_bytes"] = self.node.arena.huge_bytes  # of the arena on huge pages
         summary["local_socket"] = self.local_socket  # same-host calls (kvpool.rpc.local_call); "" = off
         if self.process_summary is not None:
             summary.update(self.process_summary())

@@ -41,7 +41,7 @@ class HelloRequest(_message.Message):
     def __init__(self, hash_scheme: _Optional[str] = ..., protocol_version: _Optional[str] = ..., spec: _Optional[_Union[Spec, _Mapping]] = ..., namespace: _Optional[bytes] = ..., spec_digest: _Optional[bytes] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("node_id", "hash_scheme", "protocol_version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "block_bytes", "arena_socket", "data_ticket", "data_ticket_key", "data_ticket_ttl_ms", "arena_segment_bytes", "local_socket", "local_key_id", "local_key")
+    __slots__ = ("node_id", "hash_scheme", "protocol_version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "block_bytes", "arena_socket", "data_ticket", "data_ticket_key", "data_ticket_ttl_ms", "arena_segment_bytes", "local_socket", "local_key_id", "local_key", "arena_page_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class HelloReply(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LOCAL_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_KEY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hash_scheme: str
     protocol_version: str
@@ -74,7 +75,8 @@ class HelloReply(_message.Message):
     local_socket: str
     local_key_id: bytes
     local_key: bytes
-    def __init__(self, node_id: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., protocol_version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_ticket_key: _Optional[bytes] = ..., data_ticket_ttl_ms: _Optional[int] = ..., arena_segment_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_key_id: _Optional[bytes] = ..., local_key: _Optional[bytes] = ...) -> None: ...
+    arena_page_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., hash_scheme: _Optional[str] = ..., protocol_version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_ticket_key: _Optional[bytes] = ..., data_ticket_ttl_ms: _Optional[int] = ..., arena_segment_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_key_id: _Optional[bytes] = ..., local_key: _Optional[bytes] = ..., arena_page_bytes: _Optional[int] = ...) -> None: ...
 
 class HashesRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "release_lease_ids")

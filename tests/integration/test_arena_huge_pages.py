@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from conftest import REPO_ROOT, start_daemon
 
 from kvpool import KVSpec, PoolClient
 from kvpool.storage.arena import HugePageRoom, HugePagesUnavailable, SharedArena
+from kvpool.storage.thp import ShmemThp
 
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 SPEC = KVSpec(model="tiny-llama", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
@@ -63,6 +65,8 @@ def test_try_falls_back_to_4k_pages_and_on_refuses() -> None:
     room = HugePageRoom.measure()
     if room.free_pages >= room.pages_for(CAPACITY_BYTES):
         pytest.skip(f"this host has {room.free_pages} huge pages free: no fallback to see")
+    if ShmemThp.measure().usable:
+        pytest.skip("this host gives shared memory transparent huge pages: try takes those (test_arena_thp.py)")
     daemon = start_daemon("--arena-huge-pages", "try", capacity="64MiB")
     try:
         assert "4 KiB pages, not huge pages" in daemon.stderr() and "nr_hugepages" in daemon.stderr()
@@ -116,28 +120,38 @@ def test_on_puts_the_arena_on_huge_pages(reserved_huge_pages: int) -> None:
         daemon.cleanup()
 
 
+def two_tenants_round_trip(address: str, seed: int) -> tuple[list[set[int]], dict[str, Any]]:
+    """Two tenants each put and get 8 blocks through a per-tenant arena; (the segments each
+    mapped, the last Stats). Each tenant's mapping is on whole 2 MiB pages from a 2 MiB boundary."""
+    from test_auth import TOKEN_A, TOKEN_B
+
+    from kvpool.core.arena_segments import SegmentedMapping
+
+    blocks = np.random.default_rng(seed).standard_normal((8, *SPEC.block_shape)).astype(np.float16)
+    segments, stats = [], {}
+    for salt, token in ((b"salt-a", TOKEN_A), (b"salt-b", TOKEN_B)):
+        with PoolClient.connect(address, SPEC, salt=salt, token=token) as client:
+            hashes = client.hashes(range(16 * 8))
+            assert client.put(hashes, blocks).stored == 8
+            np.testing.assert_array_equal(client.get(hashes), blocks)
+            assert isinstance(client._arena, SegmentedMapping) and client._arena.page_bytes == 2 << 20
+            assert client.arena.ctypes.data % (2 << 20) == 0
+            segments.append(set(client._arena.mapped_segments()))
+            stats = client.stats()
+    assert len(segments[0]) == len(segments[1]) == 1 and not segments[0] & segments[1]
+    return segments, stats
+
+
 def test_a_per_tenant_arena_on_huge_pages(reserved_huge_pages: int, tmp_path: Path) -> None:
     """With credentials the huge-page arena is per tenant: one hugetlb memfd per segment,
     each starting on a 2 MiB boundary; each tenant maps only its own, in whole huge pages."""
-    from test_auth import TOKEN_A, TOKEN_B, write_credentials
-
-    from kvpool.core.arena_segments import SegmentedMapping
+    from test_auth import write_credentials
 
     free_before = HugePageRoom.measure().free_pages
     creds = write_credentials(str(tmp_path))
     daemon = start_daemon("--arena-huge-pages", "on", "--credentials", creds, capacity="64MiB")
     try:
         assert free_before - HugePageRoom.measure().free_pages == 32  # every page of every segment, up front
-        blocks = np.random.default_rng(4).standard_normal((8, *SPEC.block_shape)).astype(np.float16)
-        segments = []
-        for salt, token in ((b"salt-a", TOKEN_A), (b"salt-b", TOKEN_B)):
-            with PoolClient.connect(daemon.address, SPEC, salt=salt, token=token) as client:
-                hashes = client.hashes(range(16 * 8))
-                assert client.put(hashes, blocks).stored == 8
-                np.testing.assert_array_equal(client.get(hashes), blocks)
-                assert isinstance(client._arena, SegmentedMapping) and client._arena.page_bytes == 2 << 20
-                assert client.arena.ctypes.data % (2 << 20) == 0
-                segments.append(set(client._arena.mapped_segments()))
-        assert len(segments[0]) == len(segments[1]) == 1 and not segments[0] & segments[1]
+        two_tenants_round_trip(daemon.address, seed=4)
     finally:
         daemon.cleanup()

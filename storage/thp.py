@@ -1,0 +1,146 @@
+"""The arena on transparent huge pages of shared memory (``--arena-huge-pages thp``).
+
+Why: on 4 KiB pages a copy out of the arena runs slower than one between private buffers,
+and a put without memory protection keys switches the protection of every 4 KiB page its
+window covers, which takes a core for as long as the copy (docs/benchmarks.md, "What limits
+a put here"). Reserved huge pages (``MFD_HUGETLB``, ``storage/arena.py``) fix both, but the
+host must set memory aside for them. Where the kernel gives shared memory transparent huge
+pages (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is ``advise``, ``within_size``,
+``always`` or ``force``), an ordinary memfd mapped with ``MADV_HUGEPAGE`` gets 2 MiB pages
+from the common pool instead: nothing reserved, one sysfs setting.
+
+How: the daemon maps the memfd, advises huge pages on its mapping and populates every page
+at once (``MADV_POPULATE_WRITE``, Linux 5.14): that is the up-front reservation of the
+4 KiB arena (a page that cannot be had is an error at start, not a SIGBUS in a client
+later), and under ``advise`` it is the fault that allocates the page with the mapping's
+advice, where ``posix_fallocate`` (no mapping) would get 4 KiB pages. Clients map the memfd
+as always; the kernel places a shared-memory mapping on a 2 MiB boundary and maps each huge
+page whole, with no advice of theirs. The daemon tells clients its page size (Hello's
+``arena_page_bytes``), so put windows cover whole 2 MiB pages, as on reserved ones.
+
+Best effort: where memory is fragmented the kernel falls back to 4 KiB pages for some of
+the arena; ``huge_bytes`` (read from ``/proc/self/smaps``) says how much got huge pages,
+logged at start and shown in Stats and ``kvpool inspect doctor``. Correctness never depends
+on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.core.errors import CapacityExhausted
+
+SYSFS_THP_DIR = "/sys/kernel/mm/transparent_hugepage"
+SMAPS_PATH = "/proc/self/smaps"
+#: shmem_enabled settings under which a memfd mapped with MADV_HUGEPAGE gets huge pages
+THP_SHMEM_ON = ("advise", "within_size", "always", "force")
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14
+THP_HINT = (
+    "let shared memory have transparent huge pages, as root: "
+    "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled "
+    "(or transparent_hugepage_shmem=advise on the kernel command line); "
+    "or reserve huge pages and use --arena-huge-pages on; or run with --arena-huge-pages off"
+)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _setting(path: Path) -> str:
+    """The bracketed word of a sysfs THP setting file ("always [advise] never" -> "advise");
+    "" where the file is missing or unreadable."""
+    try:
+        text = path.read_text(encoding="ascii")
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip()
+
+
+@dataclass(frozen=True)
+class ShmemThp:
+    """Whether this host gives shared memory transparent huge pages, read from sysfs."""
+
+    setting: str  # the effective shmem_enabled word for PMD-sized pages; "" where unknown
+    page_bytes: int  # hpage_pmd_size; 0 where unknown
+
+    @classmethod
+    def measure(cls, sysfs_dir: str = SYSFS_THP_DIR) -> ShmemThp:
+        folder = Path(sysfs_dir)
+        try:
+            page_bytes = int((folder / "hpage_pmd_size").read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            page_bytes = 0
+        setting = _setting(folder / "shmem_enabled")
+        # since Linux 6.11 each size has its own control; "inherit" (the default) defers to the global one
+        per_size = _setting(folder / f"hugepages-{page_bytes >> 10}kB" / "shmem_enabled") if page_bytes else ""
+        if per_size and per_size != "inherit":
+            setting = per_size
+        return cls(setting, page_bytes)
+
+    @property
+    def usable(self) -> bool:
+        return self.setting in THP_SHMEM_ON and self.page_bytes > 0
+
+    def describe(self) -> str:
+        if not self.page_bytes:
+            return "this kernel has no transparent huge pages"
+        return f"shmem_enabled is {self.setting or 'unreadable'}"
+
+
+def take_huge_pages(fd: int, length: int, what: str) -> int | None:
+    """Take every page of the first ``length`` bytes of the shared-memory file ``fd`` now,
+    as transparent huge pages where the kernel has them: through a mapping of its own with
+    huge-page advice, unmapped after (the pages stay in the file, huge, and any mapping of
+    it later maps them whole). Returns how many of the bytes got huge pages; None on a
+    kernel without ``MADV_POPULATE_WRITE`` (the caller reserves them another way: 4 KiB
+    pages). Raises ``CapacityExhausted`` when the memory cannot be had; the file is then as
+    it was, but for pages already taken."""
+    mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        window = (ctypes.c_char * length).from_buffer(mapping)
+        address = ctypes.addressof(window)
+        del window  # no export left: the mapping can close
+        if _libc.madvise(address, length, MADV_HUGEPAGE) != 0:
+            err = ctypes.get_errno()
+            raise CapacityExhausted(f"{what}: madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}", hint=THP_HINT)
+        if _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0:
+            return huge_bytes(address, length)
+        err = ctypes.get_errno()
+        if err == errno.EINVAL:  # a kernel before 5.14
+            return None
+        raise CapacityExhausted(
+            f"cannot take the memory of {what} ({length} bytes): {os.strerror(err)}",
+            hint="free memory on the host, or lower --capacity-bytes",
+        )
+    finally:
+        mapping.close()
+
+
+def huge_bytes(address: int, length: int, smaps_path: str = SMAPS_PATH) -> int:
+    """How many bytes of ``[address, address + length)`` this process maps with huge pages of
+    shared memory (``ShmemPmdMapped`` of the mappings inside it); 0 where smaps cannot be read."""
+    total, inside = 0, False
+    stop = address + length
+    try:
+        with open(smaps_path, encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:  # a mapping's header: "start-end perms ..."
+                    first, _, last = head.partition("-")
+                    try:
+                        inside = address <= int(first, 16) and int(last, 16) <= stop
+                    except ValueError:
+                        inside = False
+                elif inside and line.startswith("ShmemPmdMapped:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total

@@ -1,0 +1,149 @@
+"""The arena on transparent huge pages of shared memory (``storage/thp.py``), the parts that
+need no host setting: reading the host's setting, the typed refusal where it is off, the
+config's checks, the fallback of ``try``, a client adopting the node's page size, and the
+doctor's verdicts. The daemons on real transparent huge pages are in
+``tests/integration/test_arena_thp.py``."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli.inspect_doctor import _arena_pages
+from kvpool.core.arena_map import ArenaMapping
+from kvpool.core.config import DaemonConfig, StoreConfig
+from kvpool.core.errors import InvalidArgument
+from kvpool.daemon.node import create_arena
+from kvpool.storage.arena import HugePageRoom, HugePagesUnavailable, SharedArena
+from kvpool.storage.arena_segments import SegmentedArena
+from kvpool.storage.thp import ShmemThp, huge_bytes
+
+MiB = 1 << 20
+OFF = ShmemThp("never", 2 * MiB)
+NO_RESERVED = HugePageRoom(2 * MiB, 0, 0)
+
+
+def sysfs(tmp_path: Path, shmem: str, per_size: str | None = None, pmd: str = "2097152") -> str:
+    (tmp_path / "hpage_pmd_size").write_text(pmd + "\n")
+    (tmp_path / "shmem_enabled").write_text(shmem + "\n")
+    if per_size is not None:
+        (tmp_path / "hugepages-2048kB").mkdir()
+        (tmp_path / "hugepages-2048kB" / "shmem_enabled").write_text(per_size + "\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("shmem", "per_size", "setting", "usable"),
+    [
+        ("always within_size [advise] never deny force", None, "advise", True),
+        ("always within_size advise [never] deny force", None, "never", False),
+        ("always [within_size] advise never deny force", "always inherit within_size advise [never]", "never", False),
+        ("always within_size advise [never] deny force", "always [inherit] within_size advise never", "never", False),
+        ("always within_size advise [never] deny force", "[always] inherit within_size advise never", "always", True),
+        ("always within_size advise never [deny] force", None, "deny", False),
+    ],
+)
+def test_the_host_setting_is_the_bracketed_word_per_size_first(
+    tmp_path: Path, shmem: str, per_size: str | None, setting: str, usable: bool
+) -> None:
+    thp = ShmemThp.measure(sysfs(tmp_path, shmem, per_size))
+    assert thp == ShmemThp(setting, 2 * MiB) and thp.usable is usable
+
+
+def test_a_kernel_without_thp_is_unusable(tmp_path: Path) -> None:
+    thp = ShmemThp.measure(str(tmp_path / "missing"))
+    assert thp == ShmemThp("", 0) and not thp.usable and "no transparent huge pages" in thp.describe()
+
+
+def test_off_is_a_typed_refusal_that_says_what_to_set() -> None:
+    for make in (
+        lambda: SharedArena.create_memfd(64 * MiB, transparent=OFF),
+        lambda: SegmentedArena(64 * MiB, 16 * MiB, huge_pages=False, meminfo_path="/proc/meminfo", transparent=OFF),
+    ):
+        with pytest.raises(HugePagesUnavailable) as info:
+            make()
+        assert "shmem_enabled is never" in info.value.message
+        assert "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled" in info.value.hint
+
+
+def test_config_takes_thp_and_refuses_it_without_the_memfd_hand_off() -> None:
+    config = DaemonConfig(arena_huge_pages="thp")
+    assert config.arena_by_fd  # auto becomes fd, as for reserved huge pages
+    with pytest.raises(InvalidArgument, match="thp needs the memfd hand-off"):
+        DaemonConfig(arena_huge_pages="thp", arena_handoff="file")
+    with pytest.raises(InvalidArgument, match="'off', 'on', 'thp' or 'try'"):
+        DaemonConfig(arena_huge_pages="transparent")
+
+
+def test_try_without_either_kind_falls_back_to_4k_pages_and_says_how(caplog: pytest.LogCaptureFixture) -> None:
+    room = HugePageRoom.measure()
+    if room.free_pages >= room.pages_for(64 * MiB):
+        pytest.skip(f"this host has {room.free_pages} huge pages free: no fallback to see")
+    config = DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="try")
+    with caplog.at_level(logging.WARNING, logger="kvpool.node"):
+        arena = create_arena(config, thp=OFF)
+    try:
+        assert arena.page_bytes == mmap.PAGESIZE and not arena.transparent and arena.huge_bytes == 0
+        said = caplog.text
+        assert "4 KiB pages, not huge pages" in said and "nr_hugepages" in said and "shmem_enabled" in said
+    finally:
+        arena.close()
+    with pytest.raises(HugePagesUnavailable, match="shmem_enabled is never"):
+        create_arena(DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="thp"), thp=OFF)
+
+
+def test_a_client_takes_the_page_size_the_node_names(tmp_path: Path) -> None:
+    """A transparent huge page's file says 4 KiB: the client uses the node's 2 MiB for its
+    windows; nonsense or 0 (an older node) changes nothing."""
+    path = tmp_path / "arena"
+    path.write_bytes(bytes(4 * MiB))
+    arena = ArenaMapping.attach(str(path), 4 * MiB)
+    try:
+        for ignored in (0, 4096, 3 * MiB, 1000):
+            arena.adopt_page_bytes(ignored)
+            assert arena.page_bytes == mmap.PAGESIZE
+        arena.adopt_page_bytes(2 * MiB)
+        assert arena.page_bytes == 2 * MiB and arena.huge_pages
+        with arena.put_window([5 * 4096], 4096) as window:
+            assert window.mapped_bytes == 2 * MiB  # whole huge pages
+    finally:
+        arena.close()
+
+
+def test_huge_bytes_sums_only_the_mappings_inside_the_range(tmp_path: Path) -> None:
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "7f0000000000-7f0000400000 rw-s 00000000 00:01 7 /memfd:kvpool-arena (deleted)\n"
+        "Size:               4096 kB\nShmemPmdMapped:     2048 kB\n"
+        "7f0000400000-7f0000800000 rw-s 00000000 00:01 8 /memfd:kvpool-arena-1 (deleted)\n"
+        "Size:               4096 kB\nShmemPmdMapped:     4096 kB\n"
+        "7f0000800000-7f0000c00000 rw-s 00000000 00:01 9 /memfd:other (deleted)\n"
+        "ShmemPmdMapped:     4096 kB\n"
+    )
+    base = 0x7F0000000000
+    assert huge_bytes(base, 8 * MiB, str(smaps)) == 6 * MiB  # the third mapping is outside
+    assert huge_bytes(base, 4 * MiB, str(smaps)) == 2 * MiB
+    assert huge_bytes(base, 8 * MiB, str(tmp_path / "missing")) == 0
+
+
+def doctor_stats(**extra: object) -> dict[str, object]:
+    return {"arena_page_bytes": 2 * MiB, "arena_huge_pages": "thp", "capacity_bytes": 64 * MiB, **extra}
+
+
+def test_doctor_says_transparent_and_how_much() -> None:
+    config = DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="thp")
+    on = ShmemThp("advise", 2 * MiB)
+    full = _arena_pages(config, doctor_stats(arena_transparent=True, arena_huge_bytes=64 * MiB), NO_RESERVED, on)
+    assert full.status == "ok" and "transparent huge pages of 2.0 MiB: 100%" in full.detail
+    part = _arena_pages(config, doctor_stats(arena_transparent=True, arena_huge_bytes=16 * MiB), NO_RESERVED, on)
+    assert part.status == "warn" and "25%" in part.detail and "fragmented" in part.detail
+    # no daemon: what a start would get
+    assert _arena_pages(config, None, NO_RESERVED, on).status == "ok"
+    refused = _arena_pages(config, None, NO_RESERVED, OFF)
+    assert refused.status == "fail" and "shmem_enabled" in refused.fix
+    try_config = DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="try")
+    assert _arena_pages(try_config, None, NO_RESERVED, on).status == "ok"
+    assert _arena_pages(try_config, None, NO_RESERVED, OFF).status == "warn"
