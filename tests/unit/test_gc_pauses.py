@@ -43,7 +43,10 @@ def test_start_freezes_what_is_alive_and_a_later_full_collection_is_frozen_too(c
     freezer.start()
     try:
         frozen = gc.get_freeze_count()
-        assert frozen > 0 and freezer.summary()["gc_frozen_objects"] == frozen
+        # counted at the freeze; a frozen object that dies since (a thread of an earlier test
+        # in this process finishing) leaves the permanent generation, so the count only shrinks
+        counted = freezer.summary()["gc_frozen_objects"]
+        assert 0 < frozen <= counted and counted - frozen <= counted // 100
         kept = [Node() for _ in range(1000)]  # alive, newer than the freeze
         freezer.tick()  # no full collection ran since: nothing more is frozen
         assert gc.get_freeze_count() <= frozen and freezer.freezes == 1
