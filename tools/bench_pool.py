@@ -14,6 +14,8 @@ PutStart, its write window, the source checksum and the daemon's verification at
 
 The arena is measured on 4 KiB pages and, with ``--huge-pages auto`` as root, on reserved
 huge pages (``--arena-huge-pages on``; this tool raises ``/proc/sys/vm/nr_hugepages`` for it
+and restores it), and with ``--thp auto`` on transparent huge pages of shared memory
+(``--arena-huge-pages thp``; as root this tool sets ``shmem_enabled`` to ``advise`` for it
 and restores it). ``--clients N``: N client processes read at once, beside N processes
 copying the same bytes out of a shared mapping at once, alternated ``--client-rounds`` times.
 
@@ -52,6 +54,7 @@ from kvpool.core.hashing import chain_hashes
 from kvpool.daemon.cluster_local import free_port
 from kvpool.proto import pool_pb2
 from kvpool.storage.arena import HugePageRoom
+from kvpool.storage.thp import SYSFS_THP_DIR, ShmemThp
 
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
@@ -106,6 +109,29 @@ def reserved_huge_pages(capacity_bytes: int) -> Iterator[bool]:
     finally:
         with open(NR_HUGEPAGES, "w") as fh:
             fh.write(str(before))
+
+
+@contextmanager
+def shmem_thp_on(wanted: bool) -> Iterator[bool]:
+    """Transparent huge pages for shared memory (``storage/thp.py``): as they are where the
+    host gives them; else set ``shmem_enabled`` to ``advise`` (root) and restore it after."""
+    thp = ShmemThp.measure()
+    if not wanted or thp.usable or not thp.page_bytes:
+        yield wanted and thp.usable
+        return
+    path = os.path.join(SYSFS_THP_DIR, "shmem_enabled")
+    try:
+        with open(path, "w") as fh:
+            fh.write("advise")
+    except OSError as exc:
+        print(f"# transparent huge pages: cannot turn them on for shared memory ({exc}); that arena is not measured")
+        yield False
+        return
+    try:
+        yield ShmemThp.measure().usable
+    finally:
+        with open(path, "w") as fh:
+            fh.write(thp.setting)
 
 
 BENCH_TOKEN = "kvp_bench-tenant-token"
@@ -458,6 +484,13 @@ def main() -> int:
     parser.add_argument("--client-rounds", type=int, default=3, help="alternations of copies / clients")
     parser.add_argument("--huge-pages", choices=("auto", "off"), default="auto", help="also measure a huge-page arena")
     parser.add_argument(
+        "--thp",
+        choices=("auto", "off"),
+        default="auto",
+        help="also measure an arena on transparent huge pages (--arena-huge-pages thp; as root this tool sets "
+        "shmem_enabled to advise for it and restores it)",
+    )
+    parser.add_argument(
         "--put-ab",
         action="store_true",
         help="also time puts through mprotect-switched windows (no protection key), interleaved with the "
@@ -498,9 +531,14 @@ def main() -> int:
         creds = write_bench_credentials(sizes)
         arenas.append(("one-piece memfd arena", ("--arena-handoff", "fd")))
         arenas.append(("per-tenant arena", ("--arena-handoff", "fd", "--credentials", creds)))
-    with reserved_huge_pages(capacity if args.huge_pages == "auto" else 0) as huge_ok:
+    with (
+        reserved_huge_pages(capacity if args.huge_pages == "auto" else 0) as huge_ok,
+        shmem_thp_on(args.thp == "auto") as thp_ok,
+    ):
         if huge_ok and args.huge_pages == "auto":
             arenas.append(("huge-page arena", ("--arena-huge-pages", "on", "--arena-handoff", "fd")))
+        if thp_ok:
+            arenas.append(("transparent-huge-page arena", ("--arena-huge-pages", "thp", "--arena-handoff", "fd")))
         for title, extra in arenas:
             token = BENCH_TOKEN if "--credentials" in extra else ""
             with daemon(capacity, *extra) as address:
