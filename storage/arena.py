@@ -58,11 +58,13 @@ from dataclasses import dataclass
 
 from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault
-from kvpool.storage.thp import THP_HINT, ShmemThp, take_huge_pages
+from kvpool.storage.thp import THP_HINT, HugePagesUnavailable, ShmemThp, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
 MEMINFO_PATH = "/proc/meminfo"
+#: said where the kernel gave less than 90 % of an arena huge pages
+LOW_SHARE_NOTE = " (the host's memory is fragmented: the rest is on 4 KiB pages)"
 OVERCOMMIT_HINT = (
     "lower --capacity-bytes, or pass --allow-overcommit to start anyway (clients may then die with SIGBUS)"
 )
@@ -99,10 +101,6 @@ def _size(nbytes: int) -> str:
             break
         value /= 1024
     return f"{nbytes} bytes ({value:.2f} {unit})"
-
-
-class HugePagesUnavailable(CapacityExhausted):
-    """The host cannot back a huge-page arena now (no reserved pages free, or too few)."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +254,12 @@ class SharedArena(ArenaMapping):
             )
         available = available_memory_bytes(meminfo_path)
         short = available is not None and capacity_bytes > available
+        if short and transparent is not None:  # its pages are taken at start, or it is not on them
+            raise HugePagesUnavailable(
+                f"an arena on transparent huge pages takes its {_size(capacity_bytes)} at start; "
+                f"MemAvailable is {_size(available or 0)}",
+                hint="lower --capacity-bytes, or run with --arena-huge-pages off (--allow-overcommit applies there)",
+            )
         if short and not allow_overcommit:
             raise CapacityExhausted(
                 f"arena of {_size(capacity_bytes)} exceeds available memory (MemAvailable {_size(available or 0)})",
@@ -271,7 +275,7 @@ class SharedArena(ArenaMapping):
         try:
             os.ftruncate(fd, file_bytes)
             if transparent is not None:
-                taken = _take_transparent(fd, file_bytes, "the arena", transparent, reserve=not short)
+                taken = _take_transparent(fd, file_bytes, "the arena", transparent)
             elif not short:
                 _reserve(fd, f"memfd:{name_hint}-arena", capacity_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -382,36 +386,25 @@ def _reserve(fd: int, path: str, capacity_bytes: int) -> None:
     log.info("arena %s: %s reserved in %.0f ms", path, _size(capacity_bytes), (time.monotonic() - started) * 1000)
 
 
-def _take_transparent(
-    fd: int, file_bytes: int, what: str, transparent: ShmemThp, reserve: bool, quiet: bool = False
-) -> int:
+def _take_transparent(fd: int, file_bytes: int, what: str, transparent: ShmemThp, quiet: bool = False) -> int:
     """Take the pages of a new memfd as transparent huge pages (``storage/thp.py``); returns
-    how many bytes got huge ones, and logs it (a warning below 90 %; ``quiet``: only that).
-    ``reserve`` False (``--allow-overcommit`` past the memory): nothing taken, pages come
-    lazily, 4 KiB ones."""
-    if not reserve:
-        log.warning("%s: not reserved (--allow-overcommit), so not on transparent huge pages", what)
-        return 0
+    how many bytes got huge ones, and logs it (a warning below 90 %; ``quiet``: nothing, the
+    caller sums up)."""
     started = time.monotonic()
     taken = take_huge_pages(fd, file_bytes, what)
-    if taken is None:
-        log.warning("%s: this kernel cannot take pages with huge-page advice (before 5.14): 4 KiB pages", what)
-        _reserve(fd, f"memfd:{what}", file_bytes)
-        return 0
     share = taken / file_bytes
-    if quiet and share >= 0.9:
-        return taken
-    log.log(
-        logging.INFO if share >= 0.9 else logging.WARNING,
-        "%s: %s on transparent huge pages (shmem_enabled %s): %.0f %% of it in %d KiB pages, taken in %.0f ms%s",
-        what,
-        _size(file_bytes),
-        transparent.setting,
-        share * 100,
-        transparent.page_bytes >> 10,
-        (time.monotonic() - started) * 1000,
-        "" if share >= 0.9 else " (the host's memory is fragmented: the rest is on 4 KiB pages)",
-    )
+    if not quiet:
+        log.log(
+            logging.INFO if share >= 0.9 else logging.WARNING,
+            "%s: %s on transparent huge pages (shmem_enabled %s): %.0f %% of it in %d KiB pages, taken in %.0f ms%s",
+            what,
+            _size(file_bytes),
+            transparent.setting,
+            share * 100,
+            transparent.page_bytes >> 10,
+            (time.monotonic() - started) * 1000,
+            "" if share >= 0.9 else LOW_SHARE_NOTE,
+        )
     return taken
 
 

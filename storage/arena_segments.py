@@ -35,6 +35,7 @@ from kvpool.core.errors import CapacityExhausted, InvalidArgument, PermissionDen
 from kvpool.core.fixed_map import ALIGN_BYTES, Reservation, map_segment
 from kvpool.storage.allocator import NO_OWNER
 from kvpool.storage.arena import (
+    LOW_SHARE_NOTE,
     OVERCOMMIT_HINT,
     HugePageRoom,
     HugePagesUnavailable,
@@ -66,6 +67,12 @@ class SegmentedArena(SharedArena):
             raise HugePagesUnavailable(
                 f"transparent huge pages for shared memory are off here ({transparent.describe()})", hint=THP_HINT
             )
+        if transparent is not None and segment_bytes % transparent.page_bytes:
+            raise HugePagesUnavailable(
+                f"arena segments of {segment_bytes} bytes are not whole transparent huge pages of "
+                f"{transparent.page_bytes} bytes",
+                hint="use --arena-segment-bytes a multiple of the huge page size, or --arena-huge-pages off",
+            )
         if capacity_bytes <= 0 or segment_bytes <= 0 or segment_bytes % ALIGN_BYTES:
             raise InvalidArgument(
                 f"arena segments of {segment_bytes} bytes: they must be a positive multiple of 2 MiB",
@@ -82,7 +89,10 @@ class SegmentedArena(SharedArena):
         self.transparent = transparent is not None
         if transparent is not None:
             self.page_bytes = transparent.page_bytes
-        self._huge_bytes = [0] * self.num_segments  # per segment: its bytes on huge pages
+        self._huge_bytes = [0] * self.num_segments  # per segment: its bytes on transparent huge pages
+        #: bytes of the arena on huge pages: all on reserved ones; on transparent ones, what the
+        #: kernel gave each segment when it was made (or made fresh for a new owner)
+        self.huge_bytes = capacity_bytes if huge_pages else 0
         self._check_room(meminfo_path)
         self._lock = threading.Lock()
         self._fds: list[int] = []
@@ -93,28 +103,34 @@ class SegmentedArena(SharedArena):
         self._write_fd = -1
         try:
             for seg in range(self.num_segments):
-                fd = self._new_memfd(seg)
+                fd, taken = self._new_memfd(seg)
                 self._fds.append(fd)
                 map_segment(self._address(seg), self._mapped_bytes(seg), fd, writable=True)
+                self._count_huge(seg, taken)
         except BaseException:
             self.close()
             raise
         self.view = self._reservation.view[:capacity_bytes]
         self.renewed = 0
-        log.info(
-            "arena: %s in %d segments of %s (per-tenant), %d-byte pages%s",
+        share = self.huge_bytes / capacity_bytes
+        low = transparent is not None and share < 0.9
+        log.log(
+            logging.WARNING if low else logging.INFO,
+            "arena: %s in %d segments of %s (per-tenant), %d-byte pages%s%s",
             _size(capacity_bytes),
             self.num_segments,
             _size(segment_bytes),
             self.page_bytes,
-            f", {self.huge_bytes / capacity_bytes:.0%} of it on transparent huge pages" if transparent else "",
+            f", {share:.0%} of it on transparent huge pages (shmem_enabled {transparent.setting})"
+            if transparent
+            else "",
+            LOW_SHARE_NOTE if low else "",
         )
 
-    @property  # type: ignore[override]
-    def huge_bytes(self) -> int:
-        """Bytes of the arena on huge pages: all on reserved ones; on transparent ones, what
-        the kernel gave each segment when it was made (or made fresh for a new owner)."""
-        return self.capacity_bytes if self._huge else min(self.capacity_bytes, sum(self._huge_bytes))
+    def _count_huge(self, seg: int, taken: int) -> None:
+        if self._transparent is not None:
+            self._huge_bytes[seg] = taken
+            self.huge_bytes = min(self.capacity_bytes, sum(self._huge_bytes))
 
     def _check_room(self, meminfo_path: str) -> None:
         if self._huge:
@@ -143,7 +159,9 @@ class SegmentedArena(SharedArena):
         page = ALIGN_BYTES if self._huge or self._transparent else os.sysconf("SC_PAGESIZE")
         return -(-length // page) * page
 
-    def _new_memfd(self, seg: int) -> int:
+    def _new_memfd(self, seg: int) -> tuple[int, int]:
+        """A new memfd for segment ``seg``, every page taken; (its descriptor, its bytes on
+        transparent huge pages)."""
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if self._huge else 0)
         length = self._mapped_bytes(seg)
         try:
@@ -152,9 +170,9 @@ class SegmentedArena(SharedArena):
             raise StorageFault(f"cannot create arena segment {seg}: {exc}", hint="use --arena-handoff file") from exc
         try:
             os.ftruncate(fd, length)
+            taken = 0
             if self._transparent is not None:  # every page now, as huge ones where the kernel has them
-                what = f"arena segment {seg}"
-                self._huge_bytes[seg] = _take_transparent(fd, length, what, self._transparent, reserve=True, quiet=True)
+                taken = _take_transparent(fd, length, f"arena segment {seg}", self._transparent, quiet=True)
             else:
                 os.posix_fallocate(fd, 0, length)  # every page now: no SIGBUS in a client later
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -167,7 +185,7 @@ class SegmentedArena(SharedArena):
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, taken
 
     def on_owned(self, seg: int, owner: int, generation: int) -> None:
         """The allocator hands free segment ``seg`` to ``owner`` (``NewOwnerHook``): where the
@@ -176,7 +194,7 @@ class SegmentedArena(SharedArena):
         fresh memory cannot be had."""
         with self._lock:
             if self._owners[seg] not in (NO_OWNER, owner):
-                fd = self._new_memfd(seg)
+                fd, taken = self._new_memfd(seg)
                 try:
                     map_segment(self._address(seg), self._mapped_bytes(seg), fd, writable=True)
                 except BaseException:
@@ -184,6 +202,7 @@ class SegmentedArena(SharedArena):
                     raise
                 os.close(self._fds[seg])  # the old pages go when the last client unmaps them
                 self._fds[seg] = fd
+                self._count_huge(seg, taken)
                 self.renewed += 1
             self._owners[seg] = owner
             self._generations[seg] = generation

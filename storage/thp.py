@@ -21,7 +21,13 @@ page whole, with no advice of theirs. The daemon tells clients its page size (He
 Best effort: where memory is fragmented the kernel falls back to 4 KiB pages for some of
 the arena; ``huge_bytes`` (read from ``/proc/self/smaps``) says how much got huge pages,
 logged at start and shown in Stats and ``kvpool inspect doctor``. Correctness never depends
-on it.
+on it. Refused, so that ``try`` falls back to 4 KiB pages and ``thp`` does not start: a host
+whose shared memory gets no transparent huge pages, a kernel that cannot take pages with the
+advice (before 5.14), and an arena larger than the memory (``--allow-overcommit``: its pages
+could not be taken up front).
+
+Tests: ``tests/unit/test_arena_thp_host.py`` (unprivileged: the machinery on any host, with
+the setting given), ``tests/integration/test_arena_thp.py`` (as root: real huge pages).
 """
 
 from __future__ import annotations
@@ -35,15 +41,21 @@ from pathlib import Path
 
 from kvpool.core.errors import CapacityExhausted
 
+
+class HugePagesUnavailable(CapacityExhausted):
+    """The host cannot back a huge-page arena now: no reserved pages free or too few, or no
+    transparent huge pages for shared memory (``storage/thp.py``)."""
+
+
 SYSFS_THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 SMAPS_PATH = "/proc/self/smaps"
 #: shmem_enabled settings under which a memfd mapped with MADV_HUGEPAGE gets huge pages
 THP_SHMEM_ON = ("advise", "within_size", "always", "force")
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
+THP_ON_COMMAND = "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled as root"
 THP_HINT = (
-    "let shared memory have transparent huge pages, as root: "
-    "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled "
+    f"let shared memory have transparent huge pages: {THP_ON_COMMAND} "
     "(or transparent_hugepage_shmem=advise on the kernel command line); "
     "or reserve huge pages and use --arena-huge-pages on; or run with --arena-huge-pages off"
 )
@@ -51,6 +63,12 @@ THP_HINT = (
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def shmem_setting(sysfs_dir: str = SYSFS_THP_DIR) -> str:
+    """The global ``shmem_enabled`` word as the file says it (what to write back to restore
+    it); "" where it cannot be read."""
+    return _setting(Path(sysfs_dir) / "shmem_enabled")
 
 
 def _setting(path: Path) -> str:
@@ -95,14 +113,14 @@ class ShmemThp:
         return f"shmem_enabled is {self.setting or 'unreadable'}"
 
 
-def take_huge_pages(fd: int, length: int, what: str) -> int | None:
+def take_huge_pages(fd: int, length: int, what: str) -> int:
     """Take every page of the first ``length`` bytes of the shared-memory file ``fd`` now,
     as transparent huge pages where the kernel has them: through a mapping of its own with
     huge-page advice, unmapped after (the pages stay in the file, huge, and any mapping of
-    it later maps them whole). Returns how many of the bytes got huge pages; None on a
-    kernel without ``MADV_POPULATE_WRITE`` (the caller reserves them another way: 4 KiB
-    pages). Raises ``CapacityExhausted`` when the memory cannot be had; the file is then as
-    it was, but for pages already taken."""
+    it later maps them whole). Returns how many of the bytes got huge pages. Raises
+    ``HugePagesUnavailable`` on a kernel without ``MADV_POPULATE_WRITE`` (before 5.14: no
+    way to take them with the advice), ``CapacityExhausted`` when the memory cannot be had;
+    the file is then as it was, but for pages already taken."""
     mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         window = (ctypes.c_char * length).from_buffer(mapping)
@@ -115,7 +133,10 @@ def take_huge_pages(fd: int, length: int, what: str) -> int | None:
             return huge_bytes(address, length)
         err = ctypes.get_errno()
         if err == errno.EINVAL:  # a kernel before 5.14
-            return None
+            raise HugePagesUnavailable(
+                f"{what}: this kernel cannot take pages with huge-page advice (MADV_POPULATE_WRITE, Linux 5.14)",
+                hint="reserve huge pages and use --arena-huge-pages on, or run with --arena-huge-pages off",
+            )
         raise CapacityExhausted(
             f"cannot take the memory of {what} ({length} bytes): {os.strerror(err)}",
             hint="free memory on the host, or lower --capacity-bytes",
@@ -131,14 +152,18 @@ def huge_bytes(address: int, length: int, smaps_path: str = SMAPS_PATH) -> int:
     stop = address + length
     try:
         with open(smaps_path, encoding="ascii", errors="replace") as fh:
-            for line in fh:
+            for line in fh:  # the kernel makes the file as it is read: stopping early is cheap
                 head = line.split(" ", 1)[0]
                 if "-" in head and ":" not in head:  # a mapping's header: "start-end perms ..."
                     first, _, last = head.partition("-")
                     try:
-                        inside = address <= int(first, 16) and int(last, 16) <= stop
+                        start, end = int(first, 16), int(last, 16)
                     except ValueError:
                         inside = False
+                        continue
+                    if start >= stop:  # mappings are listed by address: the rest lie past the range
+                        break
+                    inside = address <= start and end <= stop
                 elif inside and line.startswith("ShmemPmdMapped:"):
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):

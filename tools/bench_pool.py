@@ -54,7 +54,7 @@ from kvpool.core.hashing import chain_hashes
 from kvpool.daemon.cluster_local import free_port
 from kvpool.proto import pool_pb2
 from kvpool.storage.arena import HugePageRoom
-from kvpool.storage.thp import SYSFS_THP_DIR, ShmemThp
+from kvpool.storage.thp import SYSFS_THP_DIR, ShmemThp, shmem_setting
 
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
@@ -115,8 +115,8 @@ def reserved_huge_pages(capacity_bytes: int) -> Iterator[bool]:
 def shmem_thp_on(wanted: bool) -> Iterator[bool]:
     """Transparent huge pages for shared memory (``storage/thp.py``): as they are where the
     host gives them; else set ``shmem_enabled`` to ``advise`` (root) and restore it after."""
-    thp = ShmemThp.measure()
-    if not wanted or thp.usable or not thp.page_bytes:
+    thp, before = ShmemThp.measure(), shmem_setting()
+    if not wanted or thp.usable or not thp.page_bytes or not before:
         yield wanted and thp.usable
         return
     path = os.path.join(SYSFS_THP_DIR, "shmem_enabled")
@@ -131,7 +131,7 @@ def shmem_thp_on(wanted: bool) -> Iterator[bool]:
         yield ShmemThp.measure().usable
     finally:
         with open(path, "w") as fh:
-            fh.write(thp.setting)
+            fh.write(before)
 
 
 BENCH_TOKEN = "kvp_bench-tenant-token"

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 #: nothing hides, are short; large enough that each switch is one call among few (16 and
 #: 32 MiB measured alike, 64 MiB slower)
 PUT_PIECE_BYTES = 16 << 20
+#: the largest page size a client takes from a node's Hello (x86-64's gigantic page)
+MAX_PAGE_BYTES = 1 << 30
 
 
 class ArenaMapping:
@@ -84,10 +86,18 @@ class ArenaMapping:
         """Take the page size the node says its arena is on, where it is larger than the one
         this mapping found: a transparent huge page's file reports 4 KiB (``storage/thp.py``),
         and a put window that covers part of a huge page makes the kernel split its mapping
-        into 4 KiB entries (slow to switch again). 0 (a node that does not say) or a size that
-        is not a power of two of at least the base page changes nothing."""
-        if page_bytes > self.page_bytes and page_bytes % mmap.PAGESIZE == 0 and page_bytes & (page_bytes - 1) == 0:
+        into 4 KiB entries (slow to switch again). 0 (a node that does not say), or a size that
+        is not a power of two of at least the base page or is past ``MAX_PAGE_BYTES``, changes
+        nothing."""
+        if self._can_adopt(page_bytes):
             self.page_bytes = page_bytes
+
+    def _can_adopt(self, page_bytes: int) -> bool:
+        return (
+            self.page_bytes < page_bytes <= MAX_PAGE_BYTES
+            and page_bytes % mmap.PAGESIZE == 0
+            and page_bytes & (page_bytes - 1) == 0
+        )
 
     @property
     def closed(self) -> bool:

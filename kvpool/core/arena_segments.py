@@ -57,6 +57,10 @@ class SegmentedMapping(ArenaMapping):
         self._lock = threading.Lock()
         self.fetched = 0  # segments mapped (counted for tests and stats)
 
+    def _can_adopt(self, page_bytes: int) -> bool:
+        """A page size must also tile a segment: a window run never crosses a segment's edge."""
+        return super()._can_adopt(page_bytes) and self.segment_bytes % page_bytes == 0
+
     def mapped_segments(self) -> list[int]:
         """The segments mapped now."""
         return [int(s) for s in np.flatnonzero(self._generations >= 0)]

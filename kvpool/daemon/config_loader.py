@@ -317,7 +317,7 @@ OPTIONS: list[Option] = [
         "put the arena on huge pages: 'on' (the host's reserved ones, MFD_HUGETLB; reserve them as "
         "root: echo N > /proc/sys/vm/nr_hugepages, N = capacity / 2 MiB; refuse to start without "
         "enough free), 'thp' (transparent huge pages of shared memory, nothing reserved; needs "
-        "/sys/kernel/mm/transparent_hugepage/shmem_enabled set to advise, within_size or always; "
+        "/sys/kernel/mm/transparent_hugepage/shmem_enabled set to advise, within_size, always or force; "
         "refuse to start otherwise), 'try' (reserved ones, else transparent ones, else 4 KiB pages "
         "with a warning), 'off'. Copies out of a huge-page arena run at private-memory speed, and "
         "puts without protection keys switch 512x fewer page entries; a put's writable window then "

@@ -34,7 +34,7 @@ from kvpool.storage.arena import MEMINFO_PATH, HugePagesUnavailable, SharedArena
 from kvpool.storage.arena_segments import SegmentedArena
 from kvpool.storage.host_store import LeaseGrant
 from kvpool.storage.node_store import build_node_store
-from kvpool.storage.thp import ShmemThp
+from kvpool.storage.thp import THP_ON_COMMAND, ShmemThp
 
 log = logging.getLogger("kvpool.node")
 
@@ -90,13 +90,22 @@ def create_arena(config: DaemonConfig, thp: ShmemThp | None = None) -> SharedAre
     if huge in ("on", "thp"):
         return make(huge)  # HugePagesUnavailable says what to set
     if huge == "try":
-        problems = []
-        for kind in ("on", "thp"):
-            try:
-                return make(kind)
-            except HugePagesUnavailable as err:
-                problems.append(f"{err.message} ({err.hint})")
-        log.warning("arena: 4 KiB pages, not huge pages: %s", "; ".join(problems))
+        try:
+            return make("on")
+        except HugePagesUnavailable as err:
+            reserved = err
+        try:
+            arena = make("thp")
+            log.info("arena: transparent huge pages, not reserved ones: %s (%s)", reserved.message, reserved.hint)
+            return arena
+        except HugePagesUnavailable as err:
+            log.warning(
+                "arena: 4 KiB pages, not huge pages: %s; %s (%s; or, with nothing reserved: %s)",
+                reserved.message,
+                err.message,
+                reserved.hint,
+                THP_ON_COMMAND,
+            )
     return make("off")
 
 

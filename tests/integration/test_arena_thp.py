@@ -23,7 +23,7 @@ from conftest import start_daemon
 from test_arena_huge_pages import doctor, round_trip, two_tenants_round_trip
 
 from kvpool.storage.arena import HugePageRoom
-from kvpool.storage.thp import SYSFS_THP_DIR, ShmemThp, huge_bytes
+from kvpool.storage.thp import SYSFS_THP_DIR, ShmemThp, huge_bytes, shmem_setting
 
 SHMEM_ENABLED = Path(SYSFS_THP_DIR) / "shmem_enabled"
 MiB = 1 << 20
@@ -43,7 +43,9 @@ def shmem_thp() -> Iterator[ShmemThp]:
         pytest.skip("this kernel has no transparent huge pages")
     if os.geteuid() != 0 or not os.access(SHMEM_ENABLED, os.W_OK):
         pytest.skip(f"turning them on needs root (echo advise > {SHMEM_ENABLED})")
-    before = ShmemThp.measure().setting
+    before = shmem_setting()
+    if not before:
+        pytest.skip(f"cannot read {SHMEM_ENABLED}")
     try:
         SHMEM_ENABLED.write_text("advise")
         thp = ShmemThp.measure()

@@ -1,13 +1,20 @@
 """The arena on transparent huge pages of shared memory (``storage/thp.py``), the parts that
-need no host setting: reading the host's setting, the typed refusal where it is off, the
-config's checks, the fallback of ``try``, a client adopting the node's page size, and the
-doctor's verdicts. The daemons on real transparent huge pages are in
+need no host setting: reading the host's setting, the typed refusals (the setting off, an
+arena past the memory, a kernel that cannot take pages with the advice, segments that are not
+whole pages), the machinery itself with the setting given (on a host where it is off the
+kernel gives 4 KiB pages, but every step runs: rounding, sealing, taking the pages, counting
+them, a segment renewed for a new owner, no descriptor left behind), the config's checks, the
+order of ``try``, a client adopting the node's page size within limits, and the doctor's
+verdicts. The daemons on real transparent huge pages are in
 ``tests/integration/test_arena_thp.py``."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -17,13 +24,85 @@ from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.config import DaemonConfig, StoreConfig
 from kvpool.core.errors import InvalidArgument
 from kvpool.daemon.node import create_arena
+from kvpool.storage import thp
 from kvpool.storage.arena import HugePageRoom, HugePagesUnavailable, SharedArena
 from kvpool.storage.arena_segments import SegmentedArena
 from kvpool.storage.thp import ShmemThp, huge_bytes
 
 MiB = 1 << 20
 OFF = ShmemThp("never", 2 * MiB)
+GIVEN = ShmemThp("advise", 2 * MiB)  # as if the host gave them: the kernel decides what it gets
 NO_RESERVED = HugePageRoom(2 * MiB, 0, 0)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_one_piece_arena_with_the_setting_given_is_whole_pages_sealed_and_counted() -> None:
+    fds = open_fds()
+    arena = SharedArena.create_memfd(65 * MiB, transparent=GIVEN)
+    try:
+        assert arena.transparent and arena.page_bytes == 2 * MiB and arena.capacity_bytes == 65 * MiB
+        assert os.fstat(arena.fd).st_size == 66 * MiB  # rounded up to whole huge pages
+        assert 0 <= arena.huge_bytes <= 65 * MiB
+        with pytest.raises(OSError):
+            os.ftruncate(arena.fd, MiB)  # sealed like the 4 KiB arena
+        arena.view[-4096:] = 7  # every page was taken: the last one too
+        client = ArenaMapping.from_fd(arena.read_only_fd(), 65 * MiB)
+        assert int(client.view[-1]) == 7 and not client.writable
+        client.close()
+    finally:
+        arena.close()
+    assert open_fds() == fds
+
+
+def test_segments_with_the_setting_given_and_one_renewed_for_a_new_owner() -> None:
+    fds = open_fds()
+    arena = SegmentedArena(64 * MiB, 16 * MiB, huge_pages=False, meminfo_path="/proc/meminfo", transparent=GIVEN)
+    try:
+        assert arena.transparent and arena.page_bytes == 2 * MiB and 0 <= arena.huge_bytes <= 64 * MiB
+        arena.on_owned(0, 1, 1)
+        arena.view[:4096] = 9
+        arena.on_owned(0, 2, 2)  # another owner: fresh memory, taken the same way
+        assert arena.renewed == 1 and not arena.view[:4096].any()
+        assert 0 <= arena.huge_bytes <= 64 * MiB
+    finally:
+        arena.close()
+    assert open_fds() == fds
+    with pytest.raises(HugePagesUnavailable, match="not whole transparent huge pages"):
+        SegmentedArena(
+            64 * MiB, 16 * MiB, huge_pages=False, meminfo_path="/proc/meminfo", transparent=ShmemThp("advise", 32 * MiB)
+        )
+
+
+def test_an_arena_past_the_memory_is_refused_not_overcommitted(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 32768 kB\n")
+    fds = open_fds()
+    with pytest.raises(HugePagesUnavailable, match=r"takes its .* at start") as info:
+        SharedArena.create_memfd(64 * MiB, allow_overcommit=True, meminfo_path=str(meminfo), transparent=GIVEN)
+    assert "--arena-huge-pages off" in info.value.hint
+    assert open_fds() == fds
+
+
+def test_a_kernel_that_cannot_take_pages_with_the_advice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.14 MADV_POPULATE_WRITE is EINVAL: refused (try then falls back to
+    4 KiB pages), not an arena that says 2 MiB pages and has 4 KiB ones."""
+    real = thp._libc
+
+    class OldKernel:
+        def madvise(self, address: int, length: int, advice: int) -> int:
+            if advice == thp.MADV_POPULATE_WRITE:
+                ctypes.set_errno(errno.EINVAL)
+                return -1
+            return int(real.madvise(address, length, advice))
+
+    monkeypatch.setattr(thp, "_libc", OldKernel())
+    fds = open_fds()
+    with pytest.raises(HugePagesUnavailable, match=r"5\.14"):
+        SharedArena.create_memfd(16 * MiB, transparent=GIVEN)
+    assert open_fds() == fds
 
 
 def sysfs(tmp_path: Path, shmem: str, per_size: str | None = None, pmd: str = "2097152") -> str:
@@ -78,13 +157,18 @@ def test_config_takes_thp_and_refuses_it_without_the_memfd_hand_off() -> None:
         DaemonConfig(arena_huge_pages="transparent")
 
 
-def test_try_without_either_kind_falls_back_to_4k_pages_and_says_how(caplog: pytest.LogCaptureFixture) -> None:
+def try_arena(thp: ShmemThp, caplog: pytest.LogCaptureFixture) -> SharedArena:
+    """``create_arena`` with ``try`` and the host's setting as ``thp``, on a host with no
+    reserved huge pages free (skipped elsewhere: try takes those)."""
     room = HugePageRoom.measure()
     if room.free_pages >= room.pages_for(64 * MiB):
-        pytest.skip(f"this host has {room.free_pages} huge pages free: no fallback to see")
-    config = DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="try")
-    with caplog.at_level(logging.WARNING, logger="kvpool.node"):
-        arena = create_arena(config, thp=OFF)
+        pytest.skip(f"this host has {room.free_pages} huge pages free: try takes those")
+    with caplog.at_level(logging.INFO, logger="kvpool.node"):
+        return create_arena(DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="try"), thp=thp)
+
+
+def test_try_without_either_kind_falls_back_to_4k_pages_and_says_how(caplog: pytest.LogCaptureFixture) -> None:
+    arena = try_arena(OFF, caplog)
     try:
         assert arena.page_bytes == mmap.PAGESIZE and not arena.transparent and arena.huge_bytes == 0
         said = caplog.text
@@ -95,14 +179,23 @@ def test_try_without_either_kind_falls_back_to_4k_pages_and_says_how(caplog: pyt
         create_arena(DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="thp"), thp=OFF)
 
 
+def test_try_takes_transparent_pages_after_reserved_ones(caplog: pytest.LogCaptureFixture) -> None:
+    arena = try_arena(GIVEN, caplog)
+    try:
+        assert arena.transparent and arena.page_bytes == 2 * MiB
+        assert "transparent huge pages, not reserved ones" in caplog.text and "nr_hugepages" in caplog.text
+    finally:
+        arena.close()
+
+
 def test_a_client_takes_the_page_size_the_node_names(tmp_path: Path) -> None:
     """A transparent huge page's file says 4 KiB: the client uses the node's 2 MiB for its
-    windows; nonsense or 0 (an older node) changes nothing."""
+    windows; nonsense, more than 1 GiB, or 0 (an older node) changes nothing."""
     path = tmp_path / "arena"
     path.write_bytes(bytes(4 * MiB))
     arena = ArenaMapping.attach(str(path), 4 * MiB)
     try:
-        for ignored in (0, 4096, 3 * MiB, 1000):
+        for ignored in (0, 4096, 3 * MiB, 1000, 2 << 30):
             arena.adopt_page_bytes(ignored)
             assert arena.page_bytes == mmap.PAGESIZE
         arena.adopt_page_bytes(2 * MiB)
@@ -111,6 +204,22 @@ def test_a_client_takes_the_page_size_the_node_names(tmp_path: Path) -> None:
             assert window.mapped_bytes == 2 * MiB  # whole huge pages
     finally:
         arena.close()
+
+
+def test_a_per_tenant_client_takes_only_a_page_size_that_tiles_its_segments() -> None:
+    from kvpool.core.arena_segments import SegmentedMapping
+
+    def fetch(mode: str, put_id: int, segment: int) -> tuple[int, int]:
+        raise AssertionError("nothing is mapped here")
+
+    mapping = SegmentedMapping("test", 64 * MiB, 4 * MiB, fetch)
+    try:
+        mapping.adopt_page_bytes(8 * MiB)  # larger than a segment: a window would cross into the next
+        assert mapping.page_bytes == mmap.PAGESIZE
+        mapping.adopt_page_bytes(2 * MiB)
+        assert mapping.page_bytes == 2 * MiB
+    finally:
+        mapping.close()
 
 
 def test_huge_bytes_sums_only_the_mappings_inside_the_range(tmp_path: Path) -> None:
