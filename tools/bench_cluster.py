@@ -58,11 +58,13 @@ from kvpool.transport.base import ReadItem  # noqa: E402
 from kvpool.transport.factory import make_transport, nixl_available, ucx_available  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pool import LOOKUP_PACE_MS, reserved_huge_pages  # noqa: E402
+from bench_pool import LOOKUP_PACE_MS, reserved_huge_pages, shmem_thp_on  # noqa: E402
 from bench_tcp_bound import ROW as TCP_BOUND  # noqa: E402
 from bench_tcp_bound import tcp_bound_batch  # noqa: E402
 
 MiB = 1 << 20
+#: the holders' arena kinds in batch names: 4 KiB pages, reserved huge pages, transparent huge pages
+ARENA_SUFFIXES = ("", "/huge", "/thp")
 
 
 TOKEN_KIB = 128  # 32 layers x 8 kv heads x 128 dims x k|v x bf16 = 128 KiB per token
@@ -116,7 +118,7 @@ def kvpool_batches(
     python_receive: bool = False,
 ) -> Iterator[tuple[dict[str, Batch], Callable[[], None]]]:
     """Blocks written to the node at ``a_addr``; readers attached to node B (another host name).
-    ``suffix`` tells holders of another arena kind apart in the batch names ("/huge");
+    ``suffix`` tells holders of another arena kind apart in the batch names ("/huge", "/thp");
     ``one_stream``: also a reader whose reads stay on one connection ("1 stream" rows);
     ``per_item``: also a UCX transport that moves one message per block ("per-item" row);
     ``python_receive``: also a TCP transport that receives with ``recv_into`` and hashes each
@@ -429,6 +431,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "memory for them: see HugePages_Free in /proc/meminfo)"
                     )
                 kinds.append(("/huge", ["--arena-huge-pages", "on"]))
+            if args.arena_thp:  # and on transparent huge pages of shared memory (root sets shmem_enabled)
+                if not stack_outer.enter_context(shmem_thp_on(True)):
+                    raise SystemExit(
+                        "--arena-thp: shared memory gets no transparent huge pages here and shmem_enabled "
+                        "could not be set (root is needed)"
+                    )
+                kinds.append(("/thp", ["--arena-huge-pages", "thp"]))
             for suffix, extra in kinds:
                 tag = suffix.replace("/", "-")
                 a = cluster.start_node(
@@ -526,16 +535,17 @@ def print_row(label: str, row: dict[str, float]) -> None:
         many = one.replace(" 1 stream", "")
         if many in row:
             print(f"  ratio {many} / 1 stream {row[many] / row[one]:6.2f}x")
-    for suffix in ("", "/huge"):  # the issue-17 target: nixl vs the fastest other kvpool, per arena kind
+
+    def kind(name: str) -> str:
+        return next((suffix for suffix in ARENA_SUFFIXES if suffix and suffix in name), "")
+
+    for suffix in ARENA_SUFFIXES:  # the issue-17 target: nixl vs the fastest other kvpool, per arena kind
         for level in ("cluster get", "transport"):
             nixl = row.get(f"kvpool nixl{suffix} {level}")
             others = {
                 k: v
                 for k, v in row.items()
-                if k.startswith("kvpool")
-                and k.endswith(level)
-                and "nixl" not in k
-                and (("/huge" in k) == (suffix == "/huge"))
+                if k.startswith("kvpool") and k.endswith(level) and "nixl" not in k and kind(k) == suffix
             }
             if nixl is not None and others:
                 best = max(others, key=lambda k: others[k])
@@ -561,6 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start the holder nodes with --arena-huge-pages on (reserves the huge pages: root); "
         "Mooncake's segments stay as Mooncake allocates them",
+    )
+    parser.add_argument(
+        "--arena-thp",
+        action="store_true",
+        help="also start holder nodes with --arena-huge-pages thp (transparent huge pages of shared memory; as "
+        "root this tool sets shmem_enabled to advise and restores it), measured interleaved like --arena-huge-pages",
     )
     parser.add_argument(
         "--one-stream-rows",
