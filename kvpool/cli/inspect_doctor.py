@@ -177,13 +177,16 @@ def _arena_pages(
         return Check("arena pages", "ok", f"{detail}; {host}")
     if page_bytes > 4096:
         return Check("arena pages", "ok", f"the daemon's arena is on huge pages of {human_bytes(page_bytes)}; {host}")
+    # asked for 4 KiB pages where the host would give transparent huge pages without reserving anything
+    offer = "--arena-huge-pages thp would put the arena on the transparent huge pages this host gives"
+    offer = offer if thp.usable else ""
     if page_bytes:
         detail = f"the daemon's arena is on 4 KiB pages (--arena-huge-pages {asked}"
         if asked == "off":
-            return Check("arena pages", "ok", f"{detail}); {host}")
+            return Check("arena pages", "ok", f"{detail}); {host}", offer)
         return Check("arena pages", "warn", f"{detail} fell back); {host}", reserve)
     if asked == "off":
-        return Check("arena pages", "ok", f"4 KiB pages (--arena-huge-pages off); {host}")
+        return Check("arena pages", "ok", f"4 KiB pages (--arena-huge-pages off); {host}", offer)
     reserved_ok = bool(room.page_bytes) and room.free_pages >= need
     if asked in ("on", "try") and reserved_ok:
         return Check("arena pages", "ok", f"huge pages: the arena needs {need}; {host}")

@@ -253,6 +253,12 @@ def test_doctor_says_transparent_and_how_much() -> None:
     assert _arena_pages(config, None, NO_RESERVED, on).status == "ok"
     refused = _arena_pages(config, None, NO_RESERVED, OFF)
     assert refused.status == "fail" and "shmem_enabled" in refused.fix
+    # a daemon on 4 KiB pages as asked: ok, and where the host gives transparent ones, says so
+    off_config = DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB))
+    running = {"arena_page_bytes": 4096, "arena_huge_pages": "off"}
+    assert "--arena-huge-pages thp" in _arena_pages(off_config, running, NO_RESERVED, on).fix
+    assert _arena_pages(off_config, running, NO_RESERVED, OFF).fix == ""
+    assert _arena_pages(off_config, None, NO_RESERVED, on).status == "ok"
     try_config = DaemonConfig(store=StoreConfig(capacity_bytes=64 * MiB), arena_huge_pages="try")
     assert _arena_pages(try_config, None, NO_RESERVED, on).status == "ok"
     assert _arena_pages(try_config, None, NO_RESERVED, OFF).status == "warn"
