@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault
-from kvpool.storage.thp import THP_HINT, HugePagesUnavailable, ShmemThp, take_huge_pages
+from kvpool.storage.thp import HugePagesUnavailable, ShmemThp, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
@@ -248,10 +248,8 @@ class SharedArena(ArenaMapping):
             raise InvalidArgument("arena capacity_bytes must be positive")
         if huge_pages:
             return cls._create_huge_memfd(capacity_bytes, name_hint, meminfo_path)
-        if transparent is not None and not transparent.usable:
-            raise HugePagesUnavailable(
-                f"transparent huge pages for shared memory are off here ({transparent.describe()})", hint=THP_HINT
-            )
+        if transparent is not None:
+            transparent.require()
         available = available_memory_bytes(meminfo_path)
         short = available is not None and capacity_bytes > available
         if short and transparent is not None:  # its pages are taken at start, or it is not on them
@@ -386,25 +384,23 @@ def _reserve(fd: int, path: str, capacity_bytes: int) -> None:
     log.info("arena %s: %s reserved in %.0f ms", path, _size(capacity_bytes), (time.monotonic() - started) * 1000)
 
 
-def _take_transparent(fd: int, file_bytes: int, what: str, transparent: ShmemThp, quiet: bool = False) -> int:
+def _take_transparent(fd: int, file_bytes: int, what: str, transparent: ShmemThp) -> int:
     """Take the pages of a new memfd as transparent huge pages (``storage/thp.py``); returns
-    how many bytes got huge ones, and logs it (a warning below 90 %; ``quiet``: nothing, the
-    caller sums up)."""
+    how many bytes got huge ones, and logs it (a warning below 90 %)."""
     started = time.monotonic()
     taken = take_huge_pages(fd, file_bytes, what)
     share = taken / file_bytes
-    if not quiet:
-        log.log(
-            logging.INFO if share >= 0.9 else logging.WARNING,
-            "%s: %s on transparent huge pages (shmem_enabled %s): %.0f %% of it in %d KiB pages, taken in %.0f ms%s",
-            what,
-            _size(file_bytes),
-            transparent.setting,
-            share * 100,
-            transparent.page_bytes >> 10,
-            (time.monotonic() - started) * 1000,
-            "" if share >= 0.9 else LOW_SHARE_NOTE,
-        )
+    log.log(
+        logging.INFO if share >= 0.9 else logging.WARNING,
+        "%s: %s on transparent huge pages (shmem_enabled %s): %.0f %% of it in %d KiB pages, taken in %.0f ms%s",
+        what,
+        _size(file_bytes),
+        transparent.setting,
+        share * 100,
+        transparent.page_bytes >> 10,
+        (time.monotonic() - started) * 1000,
+        "" if share >= 0.9 else LOW_SHARE_NOTE,
+    )
     return taken
 
 

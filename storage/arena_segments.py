@@ -41,10 +41,9 @@ from kvpool.storage.arena import (
     HugePagesUnavailable,
     SharedArena,
     _size,
-    _take_transparent,
     available_memory_bytes,
 )
-from kvpool.storage.thp import THP_HINT, ShmemThp
+from kvpool.storage.thp import ShmemThp, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
@@ -63,10 +62,8 @@ class SegmentedArena(SharedArena):
     ) -> None:
         """``huge_pages``: each segment on reserved huge pages; ``transparent`` (the host's
         ``storage.thp.ShmemThp``): on transparent huge pages of shared memory."""
-        if transparent is not None and not transparent.usable:
-            raise HugePagesUnavailable(
-                f"transparent huge pages for shared memory are off here ({transparent.describe()})", hint=THP_HINT
-            )
+        if transparent is not None:
+            transparent.require()
         if transparent is not None and segment_bytes % transparent.page_bytes:
             raise HugePagesUnavailable(
                 f"arena segments of {segment_bytes} bytes are not whole transparent huge pages of "
@@ -172,7 +169,7 @@ class SegmentedArena(SharedArena):
             os.ftruncate(fd, length)
             taken = 0
             if self._transparent is not None:  # every page now, as huge ones where the kernel has them
-                taken = _take_transparent(fd, length, f"arena segment {seg}", self._transparent, quiet=True)
+                taken = take_huge_pages(fd, length, f"arena segment {seg}")  # __init__ logs the sum
             else:
                 os.posix_fallocate(fd, 0, length)  # every page now: no SIGBUS in a client later
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)

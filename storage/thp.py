@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool.core.arena_map import MADV_POPULATE_WRITE, madvise
 from kvpool.core.errors import CapacityExhausted
 
 
@@ -52,17 +53,12 @@ SMAPS_PATH = "/proc/self/smaps"
 #: shmem_enabled settings under which a memfd mapped with MADV_HUGEPAGE gets huge pages
 THP_SHMEM_ON = ("advise", "within_size", "always", "force")
 MADV_HUGEPAGE = 14
-MADV_POPULATE_WRITE = 23  # Linux 5.14
 THP_ON_COMMAND = "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled as root"
 THP_HINT = (
     f"let shared memory have transparent huge pages: {THP_ON_COMMAND} "
     "(or transparent_hugepage_shmem=advise on the kernel command line); "
     "or reserve huge pages and use --arena-huge-pages on; or run with --arena-huge-pages off"
 )
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def shmem_setting(sysfs_dir: str = SYSFS_THP_DIR) -> str:
@@ -112,6 +108,13 @@ class ShmemThp:
             return "this kernel has no transparent huge pages"
         return f"shmem_enabled is {self.setting or 'unreadable'}"
 
+    def require(self) -> None:
+        """``HugePagesUnavailable`` (what to set) where shared memory gets none here."""
+        if not self.usable:
+            raise HugePagesUnavailable(
+                f"transparent huge pages for shared memory are off here ({self.describe()})", hint=THP_HINT
+            )
+
 
 def take_huge_pages(fd: int, length: int, what: str) -> int:
     """Take every page of the first ``length`` bytes of the shared-memory file ``fd`` now,
@@ -126,12 +129,12 @@ def take_huge_pages(fd: int, length: int, what: str) -> int:
         window = (ctypes.c_char * length).from_buffer(mapping)
         address = ctypes.addressof(window)
         del window  # no export left: the mapping can close
-        if _libc.madvise(address, length, MADV_HUGEPAGE) != 0:
-            err = ctypes.get_errno()
+        err = madvise(address, length, MADV_HUGEPAGE)
+        if err:
             raise CapacityExhausted(f"{what}: madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}", hint=THP_HINT)
-        if _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0:
+        err = madvise(address, length, MADV_POPULATE_WRITE)
+        if not err:
             return huge_bytes(address, length)
-        err = ctypes.get_errno()
         if err == errno.EINVAL:  # a kernel before 5.14
             raise HugePagesUnavailable(
                 f"{what}: this kernel cannot take pages with huge-page advice (MADV_POPULATE_WRITE, Linux 5.14)",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import logging
 import mmap
@@ -547,6 +548,14 @@ def can_protect() -> bool:
     return _libc.usable
 
 
+def madvise(address: int, length: int, advice: int) -> int:
+    """libc's ``madvise`` on ``[address, address + length)``: 0, or the errno it failed with
+    (``ENOSYS`` where libc cannot be called here)."""
+    if not _libc.usable:
+        return errno.ENOSYS
+    return 0 if _libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
+
+
 def page_runs(
     capacity_bytes: int, offsets: Sequence[int], length: int, page_bytes: int, segment_bytes: int = 0
 ) -> list[tuple[int, int]]:
@@ -598,5 +607,6 @@ __all__ = [
     "can_protect",
     "check_size",
     "close_mapping",
+    "madvise",
     "page_runs",
 ]

@@ -67,7 +67,8 @@ def create_arena(config: DaemonConfig, thp: ShmemThp | None = None) -> SharedAre
         if huge == "try":
             log.warning("arena: 4 KiB pages (--arena-huge-pages try needs --arena-handoff fd or auto)")
         return SharedArena.create(config.arena_dir, capacity, allow_overcommit=overcommit)
-    thp = thp if thp is not None else ShmemThp.measure()
+    if thp is None and huge in ("thp", "try"):
+        thp = ShmemThp.measure()  # the host's setting, read only when asked for
     if config.segment_bytes:  # per tenant: a memfd per segment (storage/arena_segments.py)
         segment_bytes = config.segment_bytes
 

@@ -10,7 +10,6 @@ verdicts. The daemons on real transparent huge pages are in
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -89,16 +88,12 @@ def test_an_arena_past_the_memory_is_refused_not_overcommitted(tmp_path: Path) -
 def test_a_kernel_that_cannot_take_pages_with_the_advice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before Linux 5.14 MADV_POPULATE_WRITE is EINVAL: refused (try then falls back to
     4 KiB pages), not an arena that says 2 MiB pages and has 4 KiB ones."""
-    real = thp._libc
+    real = thp.madvise
 
-    class OldKernel:
-        def madvise(self, address: int, length: int, advice: int) -> int:
-            if advice == thp.MADV_POPULATE_WRITE:
-                ctypes.set_errno(errno.EINVAL)
-                return -1
-            return int(real.madvise(address, length, advice))
+    def old_kernel(address: int, length: int, advice: int) -> int:
+        return errno.EINVAL if advice == thp.MADV_POPULATE_WRITE else real(address, length, advice)
 
-    monkeypatch.setattr(thp, "_libc", OldKernel())
+    monkeypatch.setattr(thp, "madvise", old_kernel)
     fds = open_fds()
     with pytest.raises(HugePagesUnavailable, match=r"5\.14"):
         SharedArena.create_memfd(16 * MiB, transparent=GIVEN)
