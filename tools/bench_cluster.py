@@ -432,29 +432,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 kinds.append(("/huge", ["--arena-huge-pages", "on"]))
             if args.arena_thp:  # and on transparent huge pages of shared memory (root sets shmem_enabled)
-                if not stack_outer.enter_context(shmem_thp_on(True)):
-                    raise SystemExit(
-                        "--arena-thp: shared memory gets no transparent huge pages here and shmem_enabled "
-                        "could not be set (root is needed)"
-                    )
                 kinds.append(("/thp", ["--arena-huge-pages", "thp"]))
             for suffix, extra in kinds:
                 tag = suffix.replace("/", "-")
-                a = cluster.start_node(
-                    f"node-a{tag}",
-                    [directory],
-                    etcd=False,
-                    capacity=capacity,
-                    transport="ucx" if "ucx" in transports else "tcp",
-                    extra=extra,
-                )
-                n = (
-                    cluster.start_node(
-                        f"node-n{tag}", [directory], etcd=False, capacity=capacity, transport="nixl", extra=extra
+                # a holder takes its transparent huge pages at start and keeps them: shmem_enabled is
+                # advise only while those start, so Mooncake's segments, made later, are on 4 KiB
+                # pages like the other holders'
+                with shmem_thp_on(True) if suffix == "/thp" else contextlib.nullcontext(True) as pages_ok:
+                    if not pages_ok:
+                        raise SystemExit(
+                            "--arena-thp: shared memory gets no transparent huge pages here and shmem_enabled "
+                            "could not be set (root is needed)"
+                        )
+                    a = cluster.start_node(
+                        f"node-a{tag}",
+                        [directory],
+                        etcd=False,
+                        capacity=capacity,
+                        transport="ucx" if "ucx" in transports else "tcp",
+                        extra=extra,
                     )
-                    if with_nixl
-                    else None
-                )
+                    n = (
+                        cluster.start_node(
+                            f"node-n{tag}", [directory], etcd=False, capacity=capacity, transport="nixl", extra=extra
+                        )
+                        if with_nixl
+                        else None
+                    )
                 holders.append((suffix, a, n))
             a = holders[0][1]
             b = cluster.start_node("node-b", [directory], etcd=False, capacity="256MiB")
@@ -576,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         "--arena-thp",
         action="store_true",
         help="also start holder nodes with --arena-huge-pages thp (transparent huge pages of shared memory; as "
-        "root this tool sets shmem_enabled to advise and restores it), measured interleaved like --arena-huge-pages",
+        "root this tool sets shmem_enabled to advise while they start and restores it), measured interleaved "
+        "like --arena-huge-pages",
     )
     parser.add_argument(
         "--one-stream-rows",

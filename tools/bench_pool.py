@@ -15,9 +15,10 @@ PutStart, its write window, the source checksum and the daemon's verification at
 The arena is measured on 4 KiB pages and, with ``--huge-pages auto`` as root, on reserved
 huge pages (``--arena-huge-pages on``; this tool raises ``/proc/sys/vm/nr_hugepages`` for it
 and restores it), and with ``--thp auto`` on transparent huge pages of shared memory
-(``--arena-huge-pages thp``; as root this tool sets ``shmem_enabled`` to ``advise`` for it
-and restores it). ``--clients N``: N client processes read at once, beside N processes
-copying the same bytes out of a shared mapping at once, alternated ``--client-rounds`` times.
+(``--arena-huge-pages thp``; as root this tool sets ``shmem_enabled`` to ``advise`` while
+that daemon starts, which is when it takes its pages, and restores it). ``--clients N``: N
+client processes read at once, beside N processes copying the same bytes out of a shared
+mapping at once, alternated ``--client-rounds`` times.
 
 Targets (docs/benchmarks.md): get_into 4 MiB >= 0.9x the shared-mapping copy and >= 0.6x the
 private huge-page copy; 256 KiB >= 0.7x the shared-mapping copy; put >= 0.7x the copy into
@@ -28,6 +29,7 @@ the shared mapping; N clients >= 0.8x of N copying processes. Hashing a 128K-tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import multiprocessing as mp
@@ -488,7 +490,7 @@ def main() -> int:
         choices=("auto", "off"),
         default="auto",
         help="also measure an arena on transparent huge pages (--arena-huge-pages thp; as root this tool sets "
-        "shmem_enabled to advise for it and restores it)",
+        "shmem_enabled to advise while that daemon starts and restores it)",
     )
     parser.add_argument(
         "--put-ab",
@@ -531,17 +533,20 @@ def main() -> int:
         creds = write_bench_credentials(sizes)
         arenas.append(("one-piece memfd arena", ("--arena-handoff", "fd")))
         arenas.append(("per-tenant arena", ("--arena-handoff", "fd", "--credentials", creds)))
-    with (
-        reserved_huge_pages(capacity if args.huge_pages == "auto" else 0) as huge_ok,
-        shmem_thp_on(args.thp == "auto") as thp_ok,
-    ):
+    with reserved_huge_pages(capacity if args.huge_pages == "auto" else 0) as huge_ok:
         if huge_ok and args.huge_pages == "auto":
             arenas.append(("huge-page arena", ("--arena-huge-pages", "on", "--arena-handoff", "fd")))
-        if thp_ok:
+        if args.thp == "auto":
             arenas.append(("transparent-huge-page arena", ("--arena-huge-pages", "thp", "--arena-handoff", "fd")))
         for title, extra in arenas:
             token = BENCH_TOKEN if "--credentials" in extra else ""
-            with daemon(capacity, *extra) as address:
+            with contextlib.ExitStack() as run:
+                # the daemon takes its transparent huge pages before it listens and keeps them:
+                # shmem_enabled is advise only while the thp arena's daemon starts
+                with shmem_thp_on("thp" in extra) as thp_ok:
+                    if "thp" in extra and not thp_ok:
+                        continue
+                    address = run.enter_context(daemon(capacity, *extra))
                 rows = [bench_size(address, base, size, args.repeats, token, args.put_ab) for size in sizes]
                 clients = None
                 if args.clients and not token:
