@@ -241,6 +241,8 @@ def bench_size(
     row["get_into_x_shm"] = med["shm_read"] / med["get_into"]
     row["get_into_x_huge"] = med["huge_copy"] / med["get_into"]
     row["put_x_shm"] = med["shm_write"] / med["put"]
+    # a huge-page arena's put beside a copy on huge pages too (the same bytes between private buffers)
+    row["put_x_huge"] = med["huge_copy"] / med["put"]
     row["put_full_x_shm"] = med["shm_write_full"] / med["put_full"]  # the copies timed beside them
     if put_ab:
         row["put_pipelined_x_shm"] = med["shm_write"] / med["put_pipelined"]
@@ -428,7 +430,7 @@ def print_sizes(title: str, rows: Sequence[dict[str, Any]]) -> None:
     print(f"\n## {title}: GB/s median [min-max]; x = ratio of medians to the baseline beside it")
     print(
         f"{'block':>7} | {'shm read':>20} {'get_into':>20} {'x shm':>6} {'x huge':>6} {'fixed us':>8} | "
-        f"{'huge copy':>20} | {'shm write':>20} {'put':>20} {'x shm':>6} {'fixed us':>8} | "
+        f"{'huge copy':>20} | {'shm write':>20} {'put':>20} {'x shm':>6} {'x huge':>6} {'fixed us':>8} | "
         f"{'put, full pool':>20} {'x shm':>6}"
     )
     for r in rows:
@@ -436,7 +438,8 @@ def print_sizes(title: str, rows: Sequence[dict[str, Any]]) -> None:
             f"{r['block_bytes'] // KiB:>5}Ki | {r['shm_read'].text():>20} {r['get_into'].text():>20} "
             f"{r['get_into_x_shm']:>6.2f} {r['get_into_x_huge']:>6.2f} {r['get_into_fixed_us']:>8.1f} | "
             f"{r['huge_copy'].text():>20} | {r['shm_write'].text():>20} {r['put'].text():>20} "
-            f"{r['put_x_shm']:>6.2f} {r['put_fixed_us']:>8.1f} | {r['put_full'].text():>20} {r['put_full_x_shm']:>6.2f}"
+            f"{r['put_x_shm']:>6.2f} {r['put_x_huge']:>6.2f} {r['put_fixed_us']:>8.1f} | "
+            f"{r['put_full'].text():>20} {r['put_full_x_shm']:>6.2f}"
             + (
                 f" | put, pipelined mprotect {r['put_pipelined'].text()} x shm {r['put_pipelined_x_shm']:.2f}"
                 f" | put, whole-window mprotect {r['put_mprotect'].text()} x shm {r['put_mprotect_x_shm']:.2f}"
