@@ -256,13 +256,15 @@ class TenantGate:
 
     def charge(self, tenant: Hashable, units: float) -> None:
         """Bill ``units`` of work a call did beyond its admission cost (known only once it ran)
-        to ``tenant``'s token bucket. The debt is bounded by one second of rate, so a tenant
-        is never locked out for longer than that by one call; without a rate this is a no-op."""
+        to ``tenant``'s token bucket. A bill takes the bucket no lower than one second of rate
+        in debt, so a tenant is never locked out for longer than that by one bill; it never
+        forgives a deeper debt its admissions made (a bulk call may owe up to one budget).
+        Without a rate this is a no-op."""
         if not self.enabled or not self.rate_units_per_s or units <= 0:
             return
         with self._cond:
             bucket = self._tokens(tenant, self._clock())
-            bucket[0] = max(-self.rate_units_per_s, bucket[0] - units)
+            bucket[0] = min(bucket[0], max(-self.rate_units_per_s, bucket[0] - units))
 
     def _why(self, what: str, cost: int, share: _Share, bucket: list[float] | None) -> str:
         if bucket is not None and bucket[0] <= 0:

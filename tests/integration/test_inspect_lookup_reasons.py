@@ -141,10 +141,11 @@ def test_tenant_busy_and_permission_denied_are_the_reasons_given(tmp_path: Path)
         "admins": [{"name": "ops", "token_sha256": token_sha256(TOKEN_ADMIN)}],
     }))  # fmt: skip
     # a budget of 8 units refilled at 1 a second: a 9-unit lease (8,192 hashes) owes 7 of them, so by the
-    # third such lease the bucket is in debt for seconds and the next, waiting 50 ms, is refused TENANT_BUSY
+    # third such lease the bucket is in debt for seconds and the next, waiting 50 ms, is refused TENANT_BUSY;
+    # with no per-call cost, a one-unit call is never rate-limited, debt or not (the last lease below)
     daemon = start_daemon(
         "--credentials", str(creds), "--arena-handoff", "file", "--tenant-budget-units", "8",
-        "--tenant-rate-units-per-s", "1", "--tenant-wait-ms", "50",
+        "--tenant-rate-units-per-s", "1", "--tenant-wait-ms", "50", "--tenant-call-cost-items", "0",
     )  # fmt: skip
     admin = ("--token", TOKEN_ADMIN, "--json")
     try:

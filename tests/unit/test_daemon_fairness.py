@@ -252,3 +252,22 @@ def test_a_tenant_in_debt_waits_even_for_one_unit_calls_with_a_per_call_cost() -
     with gate.admit("a", 1):  # the debt paid, a's small calls run again
         pass
     assert gate.refused == 1
+
+
+def test_a_bill_after_a_bulk_call_never_forgives_the_debt_the_call_made() -> None:
+    """A bulk call may take its tenant's bucket a whole budget into debt; the small bill for
+    its walk that follows must not lift that debt to the one-second floor of a bill (it did:
+    a 9-unit call at a rate of 1/s owed 7 s, and its 16-item bill cut that to 1 s)."""
+    clock = StepClock(0.001)
+    gate = TenantGate(budget_units=8, max_requests=4, wait_ms=50, rate_units_per_s=1, clock=clock)
+    with gate.admit("a", 9):  # 8 tokens, then 7 owed: 1 left
+        pass
+    with gate.admit("a", 9):  # 1 token > 0: admitted, 6 in debt
+        pass
+    gate.charge("a", 16 / COST_ITEMS_PER_UNIT)
+    clock.now_s += 2.0  # two seconds pay two of the six units
+    with pytest.raises(TenantBusy, match="cost units per second"), gate.admit("a", 2):
+        pass
+    clock.now_s += 5.0
+    with gate.admit("a", 2):  # the debt paid
+        pass
