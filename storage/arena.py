@@ -58,13 +58,11 @@ from dataclasses import dataclass
 
 from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault
-from kvpool.storage.thp import HugePagesUnavailable, ShmemThp, take_huge_pages
+from kvpool.storage.thp import HugePagesUnavailable, ShmemThp, huge_share_level, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
 MEMINFO_PATH = "/proc/meminfo"
-#: said where the kernel gave less than 90 % of an arena huge pages
-LOW_SHARE_NOTE = " (the host's memory is fragmented: the rest is on 4 KiB pages)"
 OVERCOMMIT_HINT = (
     "lower --capacity-bytes, or pass --allow-overcommit to start anyway (clients may then die with SIGBUS)"
 )
@@ -253,11 +251,7 @@ class SharedArena(ArenaMapping):
         available = available_memory_bytes(meminfo_path)
         short = available is not None and capacity_bytes > available
         if short and transparent is not None:  # its pages are taken at start, or it is not on them
-            raise HugePagesUnavailable(
-                f"an arena on transparent huge pages takes its {_size(capacity_bytes)} at start; "
-                f"MemAvailable is {_size(available or 0)}",
-                hint="lower --capacity-bytes, or run with --arena-huge-pages off (--allow-overcommit applies there)",
-            )
+            raise transparent_past_memory(capacity_bytes, available or 0)
         if short and not allow_overcommit:
             raise CapacityExhausted(
                 f"arena of {_size(capacity_bytes)} exceeds available memory (MemAvailable {_size(available or 0)})",
@@ -278,10 +272,11 @@ class SharedArena(ArenaMapping):
                 _reserve(fd, f"memfd:{name_hint}-arena", capacity_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mapping = mmap.mmap(fd, file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException as exc:
+        except OSError as exc:
             os.close(fd)
-            if isinstance(exc, OSError):
-                raise StorageFault(f"cannot map a {capacity_bytes}-byte memfd arena: {exc}") from exc
+            raise StorageFault(f"cannot map a {capacity_bytes}-byte memfd arena: {exc}") from exc
+        except BaseException:  # refused or short of memory (typed already): nothing is left open
+            os.close(fd)
             raise
         arena = cls("", capacity_bytes, True, fd, mapping)
         if transparent is not None:
@@ -389,19 +384,29 @@ def _take_transparent(fd: int, file_bytes: int, what: str, transparent: ShmemThp
     how many bytes got huge ones, and logs it (a warning below 90 %)."""
     started = time.monotonic()
     taken = take_huge_pages(fd, file_bytes, what)
-    share = taken / file_bytes
+    level, note = huge_share_level(taken / file_bytes)
     log.log(
-        logging.INFO if share >= 0.9 else logging.WARNING,
+        level,
         "%s: %s on transparent huge pages (shmem_enabled %s): %.0f %% of it in %d KiB pages, taken in %.0f ms%s",
         what,
         _size(file_bytes),
         transparent.setting,
-        share * 100,
+        taken / file_bytes * 100,
         transparent.page_bytes >> 10,
         (time.monotonic() - started) * 1000,
-        "" if share >= 0.9 else LOW_SHARE_NOTE,
+        note,
     )
     return taken
+
+
+def transparent_past_memory(capacity_bytes: int, available_bytes: int) -> HugePagesUnavailable:
+    """The refusal of an arena on transparent huge pages larger than ``MemAvailable``: it takes
+    every page at start, so ``--allow-overcommit`` (for 4 KiB arenas) cannot apply."""
+    return HugePagesUnavailable(
+        f"an arena on transparent huge pages takes its {_size(capacity_bytes)} at start; "
+        f"MemAvailable is {_size(available_bytes)}",
+        hint="lower --capacity-bytes, or run with --arena-huge-pages off (--allow-overcommit applies there)",
+    )
 
 
 def _pid_alive(pid: int) -> bool:

@@ -35,15 +35,15 @@ from kvpool.core.errors import CapacityExhausted, InvalidArgument, PermissionDen
 from kvpool.core.fixed_map import ALIGN_BYTES, Reservation, map_segment
 from kvpool.storage.allocator import NO_OWNER
 from kvpool.storage.arena import (
-    LOW_SHARE_NOTE,
     OVERCOMMIT_HINT,
     HugePageRoom,
     HugePagesUnavailable,
     SharedArena,
     _size,
     available_memory_bytes,
+    transparent_past_memory,
 )
-from kvpool.storage.thp import ShmemThp, take_huge_pages
+from kvpool.storage.thp import ShmemThp, huge_share_level, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
@@ -110,9 +110,9 @@ class SegmentedArena(SharedArena):
         self.view = self._reservation.view[:capacity_bytes]
         self.renewed = 0
         share = self.huge_bytes / capacity_bytes
-        low = transparent is not None and share < 0.9
+        level, note = huge_share_level(share) if transparent is not None else (logging.INFO, "")
         log.log(
-            logging.WARNING if low else logging.INFO,
+            level,
             "arena: %s in %d segments of %s (per-tenant), %d-byte pages%s%s",
             _size(capacity_bytes),
             self.num_segments,
@@ -121,7 +121,7 @@ class SegmentedArena(SharedArena):
             f", {share:.0%} of it on transparent huge pages (shmem_enabled {transparent.setting})"
             if transparent
             else "",
-            LOW_SHARE_NOTE if low else "",
+            note,
         )
 
     def _count_huge(self, seg: int, taken: int) -> None:
@@ -141,6 +141,8 @@ class SegmentedArena(SharedArena):
                 )
             return
         available = available_memory_bytes(meminfo_path)
+        if available is not None and self.capacity_bytes > available and self._transparent is not None:
+            raise transparent_past_memory(self.capacity_bytes, available)  # as the one-piece arena
         if available is not None and self.capacity_bytes > available:
             raise CapacityExhausted(
                 f"arena of {_size(self.capacity_bytes)} exceeds available memory (MemAvailable {_size(available)})",
@@ -153,7 +155,9 @@ class SegmentedArena(SharedArena):
     def _mapped_bytes(self, seg: int) -> int:
         """The segment's bytes, rounded up to whole pages (the last one may be short)."""
         length = min(self.segment_bytes, self.capacity_bytes - seg * self.segment_bytes)
-        page = ALIGN_BYTES if self._huge or self._transparent else os.sysconf("SC_PAGESIZE")
+        page = ALIGN_BYTES if self._huge else os.sysconf("SC_PAGESIZE")
+        if self._transparent is not None:  # whole transparent huge pages, as the one-piece arena
+            page = max(ALIGN_BYTES, self._transparent.page_bytes)
         return -(-length // page) * page
 
     def _new_memfd(self, seg: int) -> tuple[int, int]:

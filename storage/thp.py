@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -59,6 +60,21 @@ THP_HINT = (
     "(or transparent_hugepage_shmem=advise on the kernel command line); "
     "or reserve huge pages and use --arena-huge-pages on; or run with --arena-huge-pages off"
 )
+#: below this share of an arena on huge pages the daemon warns and doctor says so
+LOW_HUGE_SHARE = 0.9
+
+
+def huge_share_level(share: float) -> tuple[int, str]:
+    """The log level for an arena with ``share`` of it on transparent huge pages, and what
+    the line should add: nothing from ``LOW_HUGE_SHARE`` up, else why the rest is not."""
+    if share >= LOW_HUGE_SHARE:
+        return logging.INFO, ""
+    if share <= 0:
+        return (
+            logging.WARNING,
+            " (the kernel gave none: all of it is on 4 KiB pages; the host's memory may be too fragmented)",
+        )
+    return logging.WARNING, " (the host's memory is fragmented: the rest is on 4 KiB pages)"
 
 
 def shmem_setting(sysfs_dir: str = SYSFS_THP_DIR) -> str:
@@ -122,7 +138,8 @@ def take_huge_pages(fd: int, length: int, what: str) -> int:
     huge-page advice, unmapped after (the pages stay in the file, huge, and any mapping of
     it later maps them whole). Returns how many of the bytes got huge pages. Raises
     ``HugePagesUnavailable`` on a kernel without ``MADV_POPULATE_WRITE`` (before 5.14: no
-    way to take them with the advice), ``CapacityExhausted`` when the memory cannot be had;
+    way to take them with the advice) or one that refuses the advice, ``CapacityExhausted``
+    when the memory cannot be had;
     the file is then as it was, but for pages already taken."""
     mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
@@ -130,8 +147,8 @@ def take_huge_pages(fd: int, length: int, what: str) -> int:
         address = ctypes.addressof(window)
         del window  # no export left: the mapping can close
         err = madvise(address, length, MADV_HUGEPAGE)
-        if err:
-            raise CapacityExhausted(f"{what}: madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}", hint=THP_HINT)
+        if err:  # a kernel without transparent huge pages, or libc not callable: try falls back
+            raise HugePagesUnavailable(f"{what}: madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}", hint=THP_HINT)
         err = madvise(address, length, MADV_POPULATE_WRITE)
         if not err:
             return huge_bytes(address, length)

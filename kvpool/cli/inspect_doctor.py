@@ -42,7 +42,7 @@ from kvpool.core.config import DaemonConfig
 from kvpool.core.errors import KVPoolError
 from kvpool.core.unix_path import socket_address
 from kvpool.storage.arena import HugePageRoom
-from kvpool.storage.thp import ShmemThp
+from kvpool.storage.thp import LOW_HUGE_SHARE, THP_ON_COMMAND, ShmemThp
 
 ETCD_TIMEOUT_S = 2.0
 
@@ -145,12 +145,9 @@ def _memory(config: DaemonConfig, stats: dict[str, Any] | None) -> Check:
     return Check("memory", "ok", detail)
 
 
-def _arena_pages(
-    config: DaemonConfig, stats: dict[str, Any] | None, room: HugePageRoom, thp: ShmemThp | None = None
-) -> Check:
+def _arena_pages(config: DaemonConfig, stats: dict[str, Any] | None, room: HugePageRoom, thp: ShmemThp) -> Check:
     """Huge pages or 4 KiB pages: what the running daemon got, or what a start would get
     (reserved huge pages, ``room``; transparent ones of shared memory, ``thp``)."""
-    thp = thp if thp is not None else ShmemThp.measure()
     need = room.pages_for(config.store.capacity_bytes)
     host = (
         f"host: {room.free_pages} of {room.total_pages} huge pages of {human_bytes(room.page_bytes)} free, "
@@ -158,8 +155,8 @@ def _arena_pages(
     )
     reserve = (
         f"reserve them as root: echo {room.total_pages - room.free_pages + need} > /proc/sys/vm/nr_hugepages, "
-        "then restart the daemon with --arena-huge-pages on; or, with nothing reserved, "
-        "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled and --arena-huge-pages thp"
+        f"then restart the daemon with --arena-huge-pages on; or, with nothing reserved, {THP_ON_COMMAND} "
+        "and --arena-huge-pages thp"
     )
     page_bytes = int(stats.get("arena_page_bytes", 0)) if stats else 0
     asked = str(stats.get("arena_huge_pages", "off")) if stats else config.arena_huge_pages
@@ -167,7 +164,7 @@ def _arena_pages(
         capacity = max(1, int(stats.get("capacity_bytes", 0)) or config.store.capacity_bytes)
         share = min(1.0, int(stats.get("arena_huge_bytes", 0)) / capacity)
         detail = f"the daemon's arena is on transparent huge pages of {human_bytes(page_bytes)}: {share:.0%} of it"
-        if share < 0.9:
+        if share < LOW_HUGE_SHARE:
             return Check(
                 "arena pages",
                 "warn",
@@ -318,7 +315,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = [config_check, daemon_check]
     checks.append(_directory("arena", config.arena_dir, config.store.capacity_bytes, running, want_tmpfs=True))
     checks.append(_memory(config, stats))
-    checks.append(_arena_pages(config, stats, HugePageRoom.measure()))
+    checks.append(_arena_pages(config, stats, HugePageRoom.measure(), ShmemThp.measure()))
     checks.append(_local_calls(stats))
     checks.append(_copy_kernel(native_kernel()))
     if config.tiers.disk_dir:

@@ -79,10 +79,56 @@ def test_an_arena_past_the_memory_is_refused_not_overcommitted(tmp_path: Path) -
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable: 32768 kB\n")
     fds = open_fds()
-    with pytest.raises(HugePagesUnavailable, match=r"takes its .* at start") as info:
-        SharedArena.create_memfd(64 * MiB, allow_overcommit=True, meminfo_path=str(meminfo), transparent=GIVEN)
-    assert "--arena-huge-pages off" in info.value.hint
+    for make in (
+        lambda: SharedArena.create_memfd(64 * MiB, allow_overcommit=True, meminfo_path=str(meminfo), transparent=GIVEN),
+        lambda: SegmentedArena(64 * MiB, 16 * MiB, huge_pages=False, meminfo_path=str(meminfo), transparent=GIVEN),
+    ):  # one-piece and per-tenant alike: the same refusal, which try falls back from
+        with pytest.raises(HugePagesUnavailable, match=r"takes its .* at start") as info:
+            make()
+        assert "--arena-huge-pages off" in info.value.hint and "applies there" in info.value.hint
     assert open_fds() == fds
+
+
+def test_a_segment_is_whole_transparent_pages_of_the_host_size_not_of_2_mib() -> None:
+    """The last (short) segment rounds up to the host's huge page, as the one-piece arena
+    does, where that page is larger than 2 MiB (an arm64 host's 512 MiB, say)."""
+    arena = SegmentedArena(
+        6 * MiB, 8 * MiB, huge_pages=False, meminfo_path="/proc/meminfo", transparent=ShmemThp("advise", 4 * MiB)
+    )
+    try:
+        assert arena.page_bytes == 4 * MiB and arena._mapped_bytes(0) == 8 * MiB
+    finally:
+        arena.close()
+
+
+def test_a_kernel_that_refuses_the_advice_is_refused_so_try_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MADV_HUGEPAGE failing (a kernel without THP, libc not callable: ENOSYS) is
+    ``HugePagesUnavailable``, which ``try`` falls back from, not a start refused for memory."""
+    monkeypatch.setattr(thp, "madvise", lambda address, length, advice: errno.ENOSYS)
+    fds = open_fds()
+    with pytest.raises(HugePagesUnavailable, match="MADV_HUGEPAGE"):
+        SharedArena.create_memfd(16 * MiB, transparent=GIVEN)
+    assert open_fds() == fds
+    config = DaemonConfig(store=StoreConfig(capacity_bytes=16 * MiB), arena_huge_pages="try")
+    arena = create_arena(config, thp=GIVEN)
+    try:
+        assert not arena.transparent and arena.page_bytes == mmap.PAGESIZE  # 4 KiB pages, started
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    ("share", "level", "note"),
+    [
+        (1.0, logging.INFO, ""),
+        (0.9, logging.INFO, ""),
+        (0.5, logging.WARNING, "fragmented"),
+        (0.0, logging.WARNING, "gave none"),
+    ],
+)
+def test_the_start_log_says_how_much_got_huge_pages_and_why_not(share: float, level: int, note: str) -> None:
+    got_level, got_note = thp.huge_share_level(share)
+    assert got_level == level and note in got_note and bool(got_note) == bool(note)
 
 
 def test_a_kernel_that_cannot_take_pages_with_the_advice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
