@@ -470,7 +470,13 @@ class WriteMapping:
 
     def helper(self) -> ThreadPoolExecutor:
         """The one thread that switches pieces of pipelined puts while their copies run
-        (``kvpool.core.put_pipeline``), in the order asked; joined by ``close``."""
+        (``kvpool.core.put_pipeline``), in the order asked; joined by ``close``. Once made it is
+        returned without the lock, which the helper holds through each switch: a new put's
+        window must not wait out another put's switch to start (a helper shut down meanwhile
+        refuses the window's first submit, which the window reports as ``Unavailable``)."""
+        helper = self._helper
+        if helper is not None and not self._closed:
+            return helper
         with self._lock:
             if self._closed:
                 raise Unavailable("the arena mapping was closed during this put (the client reconnected)")

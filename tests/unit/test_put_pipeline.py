@@ -219,3 +219,21 @@ def test_a_window_takes_the_helper_once_not_under_the_lock_at_each_piece(client:
         write_rows(window, np.ones((32, PAGE), np.uint8), list(range(32)), offsets)
     assert calls == 1
     assert writable_bytes(fd) == 0
+
+
+def test_the_helper_is_handed_out_while_it_holds_the_lock_through_a_switch(client: tuple[ArenaMapping, int]) -> None:
+    """Another put's switch holds the mapping's lock: a new window gets the helper without
+    waiting for it; a mapping closed meanwhile still refuses."""
+    mapping, _ = client
+    writer = mapping._kept_writer()
+    assert writer is not None
+    helper = writer.helper()
+    got: list[object] = []
+    with writer._lock:  # as the helper holds it through a switch
+        asker = threading.Thread(target=lambda: got.append(writer.helper()))
+        asker.start()
+        asker.join(timeout=10)
+        assert got == [helper]
+    writer.close()
+    with pytest.raises(Unavailable):
+        writer.helper()
