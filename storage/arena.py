@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from kvpool.core.arena_map import ArenaMapping
 from kvpool.core.errors import CapacityExhausted, InvalidArgument, StorageFault
-from kvpool.storage.thp import HugePagesUnavailable, ShmemThp, huge_share_level, take_huge_pages
+from kvpool.storage.thp import HugePagesUnavailable, ShmemThp, huge_share_level, mapped_huge_bytes, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
@@ -263,11 +263,11 @@ class SharedArena(ArenaMapping):
             raise StorageFault(f"cannot create a memfd arena: {exc}", hint="use --arena-handoff file") from exc
         # transparent huge pages: the file in whole huge pages, so its last one can be huge too
         page = transparent.page_bytes if transparent is not None else 1
-        file_bytes, taken = -(-capacity_bytes // page) * page, 0
+        file_bytes, started = -(-capacity_bytes // page) * page, time.monotonic()
         try:
             os.ftruncate(fd, file_bytes)
             if transparent is not None:
-                taken = _take_transparent(fd, file_bytes, "the arena", transparent)
+                take_huge_pages(fd, file_bytes, "the arena")
             elif not short:
                 _reserve(fd, f"memfd:{name_hint}-arena", capacity_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -281,7 +281,9 @@ class SharedArena(ArenaMapping):
         arena = cls("", capacity_bytes, True, fd, mapping)
         if transparent is not None:
             arena.page_bytes, arena.transparent = transparent.page_bytes, True
+            taken = mapped_huge_bytes(int(arena.view.ctypes.data), file_bytes)
             arena.huge_bytes = min(capacity_bytes, taken)
+            _log_transparent("the arena", file_bytes, taken, transparent, started)
         return arena
 
     @classmethod
@@ -379,11 +381,9 @@ def _reserve(fd: int, path: str, capacity_bytes: int) -> None:
     log.info("arena %s: %s reserved in %.0f ms", path, _size(capacity_bytes), (time.monotonic() - started) * 1000)
 
 
-def _take_transparent(fd: int, file_bytes: int, what: str, transparent: ShmemThp) -> int:
-    """Take the pages of a new memfd as transparent huge pages (``storage/thp.py``); returns
-    how many bytes got huge ones, and logs it (a warning below 90 %)."""
-    started = time.monotonic()
-    taken = take_huge_pages(fd, file_bytes, what)
+def _log_transparent(what: str, file_bytes: int, taken: int, transparent: ShmemThp, started: float) -> None:
+    """Log how much of a new arena on transparent huge pages got them (a warning below
+    ``thp.LOW_HUGE_SHARE``), and how long taking its pages took since ``started``."""
     level, note = huge_share_level(taken / file_bytes)
     log.log(
         level,
@@ -396,7 +396,6 @@ def _take_transparent(fd: int, file_bytes: int, what: str, transparent: ShmemThp
         (time.monotonic() - started) * 1000,
         note,
     )
-    return taken
 
 
 def transparent_past_memory(capacity_bytes: int, available_bytes: int) -> HugePagesUnavailable:

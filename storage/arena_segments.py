@@ -43,7 +43,7 @@ from kvpool.storage.arena import (
     available_memory_bytes,
     transparent_past_memory,
 )
-from kvpool.storage.thp import ShmemThp, huge_share_level, take_huge_pages
+from kvpool.storage.thp import ShmemThp, huge_share_level, mapped_huge_bytes, take_huge_pages
 
 log = logging.getLogger("kvpool.arena")
 
@@ -86,9 +86,8 @@ class SegmentedArena(SharedArena):
         self.transparent = transparent is not None
         if transparent is not None:
             self.page_bytes = transparent.page_bytes
-        self._huge_bytes = [0] * self.num_segments  # per segment: its bytes on transparent huge pages
         #: bytes of the arena on huge pages: all on reserved ones; on transparent ones, what the
-        #: kernel gave each segment when it was made (or made fresh for a new owner)
+        #: kernel gave the segments when they were made (counted again when one is made fresh)
         self.huge_bytes = capacity_bytes if huge_pages else 0
         self._check_room(meminfo_path)
         self._lock = threading.Lock()
@@ -100,10 +99,10 @@ class SegmentedArena(SharedArena):
         self._write_fd = -1
         try:
             for seg in range(self.num_segments):
-                fd, taken = self._new_memfd(seg)
+                fd = self._new_memfd(seg)
                 self._fds.append(fd)
                 map_segment(self._address(seg), self._mapped_bytes(seg), fd, writable=True)
-                self._count_huge(seg, taken)
+            self._count_huge()
         except BaseException:
             self.close()
             raise
@@ -124,10 +123,11 @@ class SegmentedArena(SharedArena):
             note,
         )
 
-    def _count_huge(self, seg: int, taken: int) -> None:
+    def _count_huge(self) -> None:
+        """``huge_bytes`` of an arena on transparent huge pages: one count over every segment."""
         if self._transparent is not None:
-            self._huge_bytes[seg] = taken
-            self.huge_bytes = min(self.capacity_bytes, sum(self._huge_bytes))
+            mapped = sum(self._mapped_bytes(seg) for seg in range(self.num_segments))
+            self.huge_bytes = min(self.capacity_bytes, mapped_huge_bytes(self._reservation.address, mapped))
 
     def _check_room(self, meminfo_path: str) -> None:
         if self._huge:
@@ -160,9 +160,9 @@ class SegmentedArena(SharedArena):
             page = max(ALIGN_BYTES, self._transparent.page_bytes)
         return -(-length // page) * page
 
-    def _new_memfd(self, seg: int) -> tuple[int, int]:
-        """A new memfd for segment ``seg``, every page taken; (its descriptor, its bytes on
-        transparent huge pages)."""
+    def _new_memfd(self, seg: int) -> int:
+        """A new memfd for segment ``seg``, every page taken (as transparent huge pages where
+        asked and the kernel has them)."""
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if self._huge else 0)
         length = self._mapped_bytes(seg)
         try:
@@ -171,9 +171,8 @@ class SegmentedArena(SharedArena):
             raise StorageFault(f"cannot create arena segment {seg}: {exc}", hint="use --arena-handoff file") from exc
         try:
             os.ftruncate(fd, length)
-            taken = 0
             if self._transparent is not None:  # every page now, as huge ones where the kernel has them
-                taken = take_huge_pages(fd, length, f"arena segment {seg}")  # __init__ logs the sum
+                take_huge_pages(fd, length, f"arena segment {seg}")  # __init__ logs how much got them
             else:
                 os.posix_fallocate(fd, 0, length)  # every page now: no SIGBUS in a client later
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -186,7 +185,7 @@ class SegmentedArena(SharedArena):
         except BaseException:
             os.close(fd)
             raise
-        return fd, taken
+        return fd
 
     def on_owned(self, seg: int, owner: int, generation: int) -> None:
         """The allocator hands free segment ``seg`` to ``owner`` (``NewOwnerHook``): where the
@@ -195,7 +194,7 @@ class SegmentedArena(SharedArena):
         fresh memory cannot be had."""
         with self._lock:
             if self._owners[seg] not in (NO_OWNER, owner):
-                fd, taken = self._new_memfd(seg)
+                fd = self._new_memfd(seg)
                 try:
                     map_segment(self._address(seg), self._mapped_bytes(seg), fd, writable=True)
                 except BaseException:
@@ -203,7 +202,7 @@ class SegmentedArena(SharedArena):
                     raise
                 os.close(self._fds[seg])  # the old pages go when the last client unmaps them
                 self._fds[seg] = fd
-                self._count_huge(seg, taken)
+                self._count_huge()
                 self.renewed += 1
             self._owners[seg] = owner
             self._generations[seg] = generation

@@ -54,6 +54,7 @@ SMAPS_PATH = "/proc/self/smaps"
 #: shmem_enabled settings under which a memfd mapped with MADV_HUGEPAGE gets huge pages
 THP_SHMEM_ON = ("advise", "within_size", "always", "force")
 MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22  # Linux 5.14+, as MADV_POPULATE_WRITE
 THP_ON_COMMAND = "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled as root"
 THP_HINT = (
     f"let shared memory have transparent huge pages: {THP_ON_COMMAND} "
@@ -132,11 +133,11 @@ class ShmemThp:
             )
 
 
-def take_huge_pages(fd: int, length: int, what: str) -> int:
+def take_huge_pages(fd: int, length: int, what: str) -> None:
     """Take every page of the first ``length`` bytes of the shared-memory file ``fd`` now,
     as transparent huge pages where the kernel has them: through a mapping of its own with
     huge-page advice, unmapped after (the pages stay in the file, huge, and any mapping of
-    it later maps them whole). Returns how many of the bytes got huge pages. Raises
+    it later maps them whole; ``mapped_huge_bytes`` counts them there). Raises
     ``HugePagesUnavailable`` on a kernel without ``MADV_POPULATE_WRITE`` (before 5.14: no
     way to take them with the advice) or one that refuses the advice, ``CapacityExhausted``
     when the memory cannot be had;
@@ -151,7 +152,7 @@ def take_huge_pages(fd: int, length: int, what: str) -> int:
             raise HugePagesUnavailable(f"{what}: madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}", hint=THP_HINT)
         err = madvise(address, length, MADV_POPULATE_WRITE)
         if not err:
-            return huge_bytes(address, length)
+            return
         if err == errno.EINVAL:  # a kernel before 5.14
             raise HugePagesUnavailable(
                 f"{what}: this kernel cannot take pages with huge-page advice (MADV_POPULATE_WRITE, Linux 5.14)",
@@ -163,6 +164,17 @@ def take_huge_pages(fd: int, length: int, what: str) -> int:
         )
     finally:
         mapping.close()
+
+
+def mapped_huge_bytes(address: int, length: int) -> int:
+    """How many bytes of this process's mapping ``[address, address + length)`` of a shared-
+    memory file are on huge pages. smaps counts only mapped pages, so the range's are mapped
+    first (``MADV_POPULATE_READ``: they exist already, so this fills page-table entries, one
+    per huge page; a page it cannot map counts as not huge). One read of smaps for the whole
+    range: a per-tenant arena counts every segment at once, not one read each (a read walks
+    every mapping listed before the range)."""
+    madvise(address, length, MADV_POPULATE_READ)
+    return huge_bytes(address, length)
 
 
 def huge_bytes(address: int, length: int, smaps_path: str = SMAPS_PATH) -> int:
