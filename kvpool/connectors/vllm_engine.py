@@ -6,8 +6,9 @@ without vLLM, and this glue is tested inside real vLLM engines (tests/vllm/).
 
 Requests the pool cannot serve exactly are passed through untouched (no lookup, no save):
 multimodal prompts (their placeholder token ids do not name the image), LoRA requests (the
-adapter is not in this engine's namespace), prompt embeddings and requests with a
-``cache_salt`` (vLLM's own per-request cache isolation). A configuration kvpool cannot
+adapter is not in this engine's namespace), prompt embeddings, requests with a
+``cache_salt`` (vLLM's own per-request cache isolation) and those that ask to be
+(``kv_transfer_params`` ``{"kvpool": "skip"}``). A configuration kvpool cannot
 serve, or a pool that is not running, disables the connector with one log line unless the
 option ``strict`` is set (then the engine refuses to start).
 """
@@ -39,10 +40,18 @@ from kvpool.core.spec import KVSpec, Namespace
 log = logging.getLogger("kvpool.connectors.vllm")
 
 STATS_INTERVAL_S = 1.0
+#: A request's ``kv_transfer_params`` that keep it off the pool (no lookup, no load, no save):
+#: a prompt that must not be stored, or a benchmark's control of the same engine
+#: (``SamplingParams(extra_args={"kv_transfer_params": SKIP_PARAMS})``, or the OpenAI
+#: server's ``"kv_transfer_params"`` field).
+SKIP_PARAMS: dict[str, Any] = {"kvpool": "skip"}
 
 
 def _passthrough_reason(request: Any) -> str:
     """Why a request must not use the pool ("" when it may)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if isinstance(params, dict) and params.get("kvpool") == SKIP_PARAMS["kvpool"]:
+        return "skipped by the request"
     if getattr(request, "mm_features", None):
         return "multimodal"
     if getattr(request, "lora_request", None) is not None:

@@ -7,9 +7,12 @@
   text prompts on ``/v1/completions`` and ``/v1/chat/completions`` with no hub download.
 * ``python -m kvpool.connectors.vllm_testing run ...``: one real vLLM engine (``LLM``) that
   runs a JSON script of phases and writes what it saw (token ids, logprobs, cached tokens)
-  after each phase. A phase may wait for a file first, so a test can kill or restart the
-  pool between phases of the same engine; the engine takes ~30 s to start, so tests run
-  several phases in one engine instead of starting many.
+  after each phase. A phase may wait for a file first (``wait_for``), so a test can kill or
+  restart the pool between phases of the same engine, and then idle (``settle_s``); its
+  requests may carry the connector's ``kv_transfer_params`` (``{"kvpool": "skip"}``); the
+  engine takes ~30 s to start, so tests run several phases in one engine instead of
+  starting many. With the kvpool connector's ``stats_path``, each phase also records the
+  connector's own time in it (``connector_s``: exact when the phase settles over a second).
 
 vLLM and transformers are imported inside the functions that use them.
 """
@@ -104,6 +107,20 @@ def _wait_for(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def connector_seconds(stats_path: str) -> float:
+    """The kvpool connector's own time so far (lookups, loads, saves on the step), from the
+    counters it writes at ``stats_path``.<role>.json (0 before the first write or without
+    ``stats_path``). The connector writes them at most once a second, after a step: read
+    more than a second after the engine's last step and a phase's end, they are current."""
+    total = 0.0
+    for role in ("scheduler", "worker"):
+        path = Path(f"{stats_path}.{role}.json")
+        if stats_path and path.exists():
+            counters = json.loads(path.read_text())
+            total += counters["load_s"] + counters["save_s"] + counters["scheduler_s"]
+    return total
+
+
 def run_script(args: argparse.Namespace) -> None:
     """Start one engine and run the phases of ``args.script`` (see the module docstring)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -120,15 +137,27 @@ def run_script(args: argparse.Namespace) -> None:
         "seed": 0,
         "enforce_eager": True,
     }
+    stats_path = ""
     if args.kv_transfer_config:
         engine_args["kv_transfer_config"] = json.loads(args.kv_transfer_config)
+        stats_path = engine_args["kv_transfer_config"].get("kv_connector_extra_config", {}).get("stats_path", "")
+    if args.no_hybrid_kv_cache_manager:
+        engine_args["disable_hybrid_kv_cache_manager"] = True
     t0 = time.perf_counter()
     llm = LLM(**engine_args)
     results: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
     for i, phase in enumerate(script["phases"]):
         if phase.get("wait_for"):
             _wait_for(phase["wait_for"], float(phase.get("wait_timeout_s", 120)))
-        params = SamplingParams(max_tokens=int(phase.get("max_tokens", 8)), temperature=0.0, logprobs=3)
+        # "settle_s": idle first, so work another process left running (a connector's
+        # background commit, a daemon's) is done before this phase is timed
+        time.sleep(float(phase.get("settle_s", 0)))
+        connector_before_s = connector_seconds(stats_path)
+        # "kv_transfer_params": the connector's per-request parameters, e.g. {"kvpool": "skip"}
+        extra = {"kv_transfer_params": phase["kv_transfer_params"]} if "kv_transfer_params" in phase else None
+        params = SamplingParams(
+            max_tokens=int(phase.get("max_tokens", 8)), temperature=0.0, logprobs=3, extra_args=extra
+        )
         prompts = [{"prompt_token_ids": p} for p in phase["prompts"]]
         # "sequential": one generate call per prompt, each timed (max_tokens=1: the TTFT)
         batches = [[p] for p in prompts] if phase.get("sequential") else [prompts]
@@ -144,7 +173,10 @@ def run_script(args: argparse.Namespace) -> None:
                 row = {"tokens": list(comp.token_ids), "logprobs": chosen, "cached": out.num_cached_tokens}
                 rows.append({**row, "seconds": took_s})
         took = time.perf_counter() - t1
-        results["phases"].append({"name": phase.get("name", str(i)), "seconds": took, "outputs": rows})
+        done = {"name": phase.get("name", str(i)), "seconds": took, "outputs": rows}
+        if stats_path:
+            done["connector_s"] = connector_seconds(stats_path) - connector_before_s
+        results["phases"].append(done)
         Path(args.out).write_text(json.dumps(results))
         Path(f"{args.out}.phase{i}.done").touch()
     del llm
@@ -163,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kv-transfer-config", default="", help="JSON; empty = vLLM without the pool")
     run.add_argument("--max-model-len", type=int, default=4096)
     run.add_argument("--no-prefix-caching", action="store_true")
+    run.add_argument(
+        "--no-hybrid-kv-cache-manager",
+        action="store_true",
+        help="as vLLM runs with a KV connector that does not support it (a baseline on the same footing)",
+    )
     run.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":

@@ -12,7 +12,7 @@ run several phases each and the tests read their results:
 * R1 vLLM + pool (tenant A): stores P1 and P3;
 * R2 a second vLLM + pool (tenant A, another process): P2 shares 4 blocks with P1, then P1,
   then P3 with one of its blocks corrupted in the pool;
-* R3 tenant B, R4 bfloat16: 0 hits;
+* R3 tenant B: a request that asks to skip the pool (not stored), then 0 hits; R4 bfloat16: 0 hits;
 * R5 the pool absent at start, then up, killed, and back;
 * R6/R7 a sliding-window model: served without the pool / refused in strict mode.
 
@@ -183,7 +183,9 @@ def runs(workdir: Path, model: Path, daemon: DaemonHandle) -> dict[str, Any]:
         corrupt_block(daemon, client, client.hashes(P3)[1])
     r2_phases = [seq("p2", P2), seq("p1", P1), seq("p3", P3)]
     r2 = Engine(workdir, "r2", model, r2_phases, pooled(daemon, "A", workdir / "r2"))
-    r3 = Engine(workdir, "r3", model, [seq("p1", P1)], pooled(daemon, "B"))
+    # tenant B: P3 asks to skip the pool (never stored), then P1 is served as usual (stored)
+    r3_phases = [seq("skip", P3, kv_transfer_params={"kvpool": "skip"}), seq("p1", P1)]
+    r3 = Engine(workdir, "r3", model, r3_phases, pooled(daemon, "B"))
     r4 = Engine(workdir, "r4", model, [seq("p1", P1)], pooled(daemon, "A"), "--dtype", "bfloat16")
     return {
         "r0": res0,
@@ -259,6 +261,22 @@ def test_other_tenant_and_other_dtype_get_no_hits(runs: dict[str, Any]) -> None:
     tenant_b = outputs(runs["r3"], "p1")[0]
     assert tenant_b["cached"] == 0 and tenant_b["tokens"] == cold_p1["tokens"]
     assert outputs(runs["r4"], "p1")[0]["cached"] == 0
+
+
+def test_a_request_that_asks_to_skip_the_pool_is_not_stored(
+    runs: dict[str, Any], daemon: DaemonHandle, model: Path
+) -> None:
+    """``kv_transfer_params`` {"kvpool": "skip"} keeps a request off the pool (no lookup, no
+    load, no save) and changes nothing in its output; the next request of the same engine
+    uses the pool as usual."""
+    skipped = outputs(runs["r3"], "skip")[0]
+    assert skipped["cached"] == 0 and skipped["tokens"] == outputs(runs["r0"], "cold")[1]["tokens"]
+    with PoolClient.connect(daemon.address, spec_of(model), salt=b"B") as client:
+        deadline = time.monotonic() + 30
+        while client.lookup(client.hashes(P1)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the engine's saver may still be storing P1
+        assert client.lookup(client.hashes(P1)) == 5
+        assert client.lookup(client.hashes(P3)) == 0
 
 
 def test_pool_absent_killed_and_back(workdir: Path, model: Path, runs: dict[str, Any]) -> None:
