@@ -42,14 +42,16 @@ from kvpool.engine.model import ModelConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_daemon(capacity_bytes: int) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_daemon(capacity_bytes: int, *extra: str) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A ``kvpool serve`` of ``capacity_bytes`` on a free loopback port, arena in a fresh
+    folder, with ``extra`` options; (process, address, arena folder) once it listens."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
     arena = tempfile.mkdtemp(prefix="kvpool-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     cmd = [sys.executable, "-m", "kvpool.cli.main", "serve", "--listen", address]
-    cmd += ["--capacity-bytes", str(capacity_bytes), "--arena-dir", arena]
+    cmd += ["--capacity-bytes", str(capacity_bytes), "--arena-dir", arena, *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
