@@ -512,6 +512,12 @@ def summarize_zero_hit(results: list[dict[str, Any]]) -> dict[str, Any]:
         if phases:
             mine_s = [p["connector_s"] for p in phases]
             out["pairs"][-1]["connector_ms"] = [1e3 * s for s in mine_s]
+            kinds = sorted({kind for p in phases for kind in p.get("connector", {})})
+            if kinds:  # per kind (load_s, save_s, scheduler_s): the median ms per prompt
+                by_kind = {
+                    k: statistics.median(1e3 * p.get("connector", {}).get(k, 0.0) for p in phases) for k in kinds
+                }
+                out["pairs"][-1]["connector_median_ms"] = by_kind
             out["connector_s"] = out.get("connector_s", 0.0) + sum(mine_s)
             out["engine_s"] = out.get("engine_s", 0.0) + sum(p["seconds"] for p in phases)
             out["connector_share"] = out["connector_s"] / out["engine_s"]
@@ -533,6 +539,9 @@ def print_zero_hit(r: dict[str, Any], control: str = "") -> None:
         if pair.get("connector_ms"):
             ms = pair["connector_ms"]
             line += f"; connector's own time per prompt {statistics.median(ms):.1f} ms ({min(ms):.1f}-{max(ms):.1f})"
+            kinds = pair.get("connector_median_ms", {})
+            if kinds:
+                line += " [medians: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in kinds.items()) + "]"
         print(line)
     spread = f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
     line = f"{ZERO_HIT:>12}: {label}every prompt of every pair: {second} / alone {r['ratio']:.3f} {spread}"

@@ -12,7 +12,8 @@
   requests may carry the connector's ``kv_transfer_params`` (``{"kvpool": "skip"}``); the
   engine takes ~30 s to start, so tests run several phases in one engine instead of
   starting many. With the kvpool connector's ``stats_path``, each phase also records the
-  connector's own time in it (``connector_s``: exact when the phase settles over a second).
+  connector's own time in it (``connector_s``, and by kind in ``connector``: exact when the
+  phase settles over a second).
 
 vLLM and transformers are imported inside the functions that use them.
 """
@@ -107,18 +108,29 @@ def _wait_for(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def connector_seconds(stats_path: str) -> float:
-    """The kvpool connector's own time so far (lookups, loads, saves on the step), from the
-    counters it writes at ``stats_path``.<role>.json (0 before the first write or without
+#: the kvpool connector's counters of its own time (kvpool.connectors.vllm.ConnectorStats)
+CONNECTOR_TIMES = ("load_s", "save_s", "scheduler_s")
+
+
+def connector_times(stats_path: str) -> dict[str, float]:
+    """The kvpool connector's own time so far, by kind (``CONNECTOR_TIMES``: loads and saves
+    on the engine step, the scheduler's lookups), summed over its scheduler and worker from
+    the counters it writes at ``stats_path``.<role>.json (0 before the first write or without
     ``stats_path``). The connector writes them at most once a second, after a step: read
     more than a second after the engine's last step and a phase's end, they are current."""
-    total = 0.0
+    total = dict.fromkeys(CONNECTOR_TIMES, 0.0)
     for role in ("scheduler", "worker"):
         path = Path(f"{stats_path}.{role}.json")
         if stats_path and path.exists():
             counters = json.loads(path.read_text())
-            total += counters["load_s"] + counters["save_s"] + counters["scheduler_s"]
+            for kind in CONNECTOR_TIMES:
+                total[kind] += counters[kind]
     return total
+
+
+def connector_seconds(stats_path: str) -> float:
+    """All of ``connector_times``."""
+    return sum(connector_times(stats_path).values())
 
 
 def run_script(args: argparse.Namespace) -> None:
@@ -152,7 +164,7 @@ def run_script(args: argparse.Namespace) -> None:
         # "settle_s": idle first, so work another process left running (a connector's
         # background commit, a daemon's) is done before this phase is timed
         time.sleep(float(phase.get("settle_s", 0)))
-        connector_before_s = connector_seconds(stats_path)
+        connector_before = connector_times(stats_path)
         # "kv_transfer_params": the connector's per-request parameters, e.g. {"kvpool": "skip"}
         extra = {"kv_transfer_params": phase["kv_transfer_params"]} if "kv_transfer_params" in phase else None
         params = SamplingParams(
@@ -175,7 +187,8 @@ def run_script(args: argparse.Namespace) -> None:
         took = time.perf_counter() - t1
         done = {"name": phase.get("name", str(i)), "seconds": took, "outputs": rows}
         if stats_path:
-            done["connector_s"] = connector_seconds(stats_path) - connector_before_s
+            spent = {k: v - connector_before[k] for k, v in connector_times(stats_path).items()}
+            done["connector_s"], done["connector"] = sum(spent.values()), spent
         results["phases"].append(done)
         Path(args.out).write_text(json.dumps(results))
         Path(f"{args.out}.phase{i}.done").touch()

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 from bench_vllm import SKIP, WARMUP, summarize_zero_hit, zero_hit_phases
 
-from kvpool.connectors.vllm_testing import connector_seconds
+from kvpool.connectors.vllm_testing import connector_seconds, connector_times
 
 
 def run_schedule(scripts: dict[str, list[dict[str, Any]]], outs: dict[str, Path]) -> list[tuple[str, str]]:
@@ -94,6 +94,7 @@ def engine_result(
         phase: dict[str, Any] = {"name": name, "seconds": s, "outputs": [{"seconds": s, "cached": cached}]}
         if connector_s is not None:
             phase["connector_s"] = connector_s
+            phase["connector"] = {"load_s": 0.0, "save_s": connector_s / 4, "scheduler_s": 3 * connector_s / 4}
         phases.append(phase)
     return {"phases": phases}
 
@@ -115,6 +116,7 @@ def test_the_figure_is_the_median_of_per_prompt_ratios_over_every_pair() -> None
     assert out["connector_s"] == pytest.approx(3 * 0.004 + 3 * 0.002)
     assert out["engine_s"] == pytest.approx(0.82 + 0.29)
     assert out["pairs"][1]["connector_ms"] == pytest.approx([2.0, 2.0, 2.0])
+    assert out["pairs"][1]["connector_median_ms"] == pytest.approx({"load_s": 0.0, "save_s": 0.5, "scheduler_s": 1.5})
     assert out["kvpool_cached_tokens"] == 0
 
 
@@ -132,3 +134,4 @@ def test_connector_seconds_sums_both_roles_and_is_zero_before_the_first_write(tm
     assert connector_seconds(str(stats)) == pytest.approx(0.75)
     Path(f"{stats}.scheduler.json").write_text(json.dumps({"load_s": 0.0, "save_s": 0.0, "scheduler_s": 0.125}))
     assert connector_seconds(str(stats)) == pytest.approx(0.875)
+    assert connector_times(str(stats)) == pytest.approx({"load_s": 0.5, "save_s": 0.25, "scheduler_s": 0.125})
