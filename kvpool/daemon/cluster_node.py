@@ -157,7 +157,10 @@ class ClusterAgent:
                 hint="run one node per tenant with nixl, or use --transport tcp / ucx (two-sided, checked per read)",
             )
 
-    def start(self) -> None:
+    def start_data_plane(self) -> None:
+        """Bind and serve the data plane (cluster mode). The daemon calls this before its
+        gRPC server answers: a daemon that answers is one whose every listener is up (a
+        client handed ``data_address`` right after start-up found nothing listening there)."""
         self._check_one_sided_reads()
         if self.cluster.enabled:
             listen = self.cluster.data_listen or f"{self.config.listen.rpartition(':')[0]}:0"
@@ -172,6 +175,10 @@ class ClusterAgent:
             )
             self.data_server.start()
             log.info("node %s: data plane (%s) on %s", self.node.node_id, self.cluster.transport, self.data_address)
+
+    def start(self) -> None:
+        """Join the cluster (etcd, the directories, the KV-event stream), once the daemon's
+        gRPC server answers; ``start_data_plane`` first."""
         if self.etcd is not None:
             self.membership = Membership(
                 self.etcd, self.cluster.cluster, self.node.node_id, self._info(), self.cluster.liveness_ttl_s

@@ -173,17 +173,23 @@ class PoolServer:
         except BaseException:  # the metrics port is taken: shut down whole, then report
             self.stop()
             raise
-        self._server.start()
-        self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
-        if self.gc_freezer is not None:
-            self.supervisor.every("gc", GC_TICK_MS, self.gc_freezer.tick)
         if self.config.cluster.enabled or self.config.cluster.kv_events_endpoint:
             from kvpool.daemon.cluster_node import ClusterAgent  # cluster mode only
 
             self.cluster = ClusterAgent(self.node, self.config, self.supervisor, self.credentials)
+            try:  # every listener is up before the gRPC server answers (the daemon's "ready")
+                self.cluster.start_data_plane()
+            except BaseException:  # e.g. the data-plane port is taken: shut down whole, then report
+                self.stop()
+                raise
+        self._server.start()
+        self.supervisor.every("sweep", self.config.sweep_interval_ms, self.node.sweep)
+        if self.gc_freezer is not None:
+            self.supervisor.every("gc", GC_TICK_MS, self.gc_freezer.tick)
+        if self.cluster is not None:
             try:
                 self.cluster.start()
-            except BaseException:  # e.g. the data-plane port is taken: shut down whole, then report
+            except BaseException:  # e.g. etcd refused: shut down whole, then report
                 self.stop()
                 raise
         log.info(

@@ -78,3 +78,23 @@ def test_taken_data_port_fails_the_start_cleanly(tmp_path) -> None:  # type: ign
     assert result.returncode == 1
     assert "data plane cannot listen" in result.stderr and "--data-listen" in result.stderr
     assert not list(tmp_path.glob("*.arena"))  # the node shut down whole: its arena is gone
+
+
+def test_the_data_plane_listens_once_the_daemon_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A daemon that answers a Stats call has every listener up: its data plane accepts a
+    connection at once (it used to bind after the gRPC server started, and a client handed
+    the data address right after start-up was refused now and then: seen in CI, in
+    test_cluster_fairness). The old order passed this test in most runs; it fails when
+    that race shows."""
+    import socket
+
+    from conftest import free_port, start_daemon
+
+    for _ in range(3):
+        data_address = f"127.0.0.1:{free_port()}"
+        daemon = start_daemon("--data-listen", data_address, capacity="64MiB")
+        try:
+            host, port = data_address.rsplit(":", 1)
+            socket.create_connection((host, int(port)), timeout=5.0).close()  # no retry, no wait
+        finally:
+            daemon.cleanup()
