@@ -45,13 +45,23 @@ STATS_INTERVAL_S = 1.0
 #: (``SamplingParams(extra_args={"kv_transfer_params": SKIP_PARAMS})``, or the OpenAI
 #: server's ``"kv_transfer_params"`` field).
 SKIP_PARAMS: dict[str, Any] = {"kvpool": "skip"}
+#: the other value of that key: the default, said explicitly
+USE_PARAMS: dict[str, Any] = {"kvpool": "use"}
+#: how the reason for a request whose ``"kvpool"`` value is neither starts (logged once per value)
+UNKNOWN_PARAMS_REASON = "unknown kv_transfer_params"
 
 
 def _passthrough_reason(request: Any) -> str:
-    """Why a request must not use the pool ("" when it may)."""
+    """Why a request must not use the pool ("" when it may). A ``"kvpool"`` value other than
+    "skip" or "use" (a typo of "skip", most likely) is passed through too: a prompt its
+    sender meant to keep out of the pool is never stored by mistake."""
     params = getattr(request, "kv_transfer_params", None)
-    if isinstance(params, dict) and params.get("kvpool") == SKIP_PARAMS["kvpool"]:
-        return "skipped by the request"
+    if isinstance(params, dict) and "kvpool" in params:
+        value = params["kvpool"]
+        if value == SKIP_PARAMS["kvpool"]:
+            return "skipped by the request"
+        if value != USE_PARAMS["kvpool"]:
+            return f"{UNKNOWN_PARAMS_REASON} {{'kvpool': {value!r}}} (known: 'skip', 'use')"
     if getattr(request, "mm_features", None):
         return "multimodal"
     if getattr(request, "lora_request", None) is not None:
@@ -90,6 +100,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._registered = False
         self._prompts: dict[str, tuple[list[int], list[int]]] = {}  # req id -> (prompt, block table)
         self._passthrough: set[str] = set()
+        self._warned_params: set[str] = set()  # unknown kv_transfer_params already logged
         self._stats_due_s = 0.0
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._strict = extra.get("strict") is True
@@ -156,7 +167,11 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self._logic is None:
             return 0, False
-        if _passthrough_reason(request):
+        reason = _passthrough_reason(request)
+        if reason:
+            if reason.startswith(UNKNOWN_PARAMS_REASON) and reason not in self._warned_params:
+                self._warned_params.add(reason)
+                log.warning("kvpool: %s: request %s and the like pass the pool by", reason, request.request_id)
             self._passthrough.add(request.request_id)
             return 0, False
         try:

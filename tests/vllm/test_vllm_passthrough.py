@@ -30,6 +30,16 @@ def request(**fields: Any) -> SimpleNamespace:
         ({"kv_transfer_params": {"kvpool": "use"}}, ""),
         ({"kv_transfer_params": SKIP_PARAMS}, "skipped by the request"),
         ({"kv_transfer_params": {**SKIP_PARAMS, "other": 1}}, "skipped by the request"),
+        # a typo of "skip" must not store what its sender meant to keep out
+        (
+            {"kv_transfer_params": {"kvpool": "Skip"}},
+            "unknown kv_transfer_params {'kvpool': 'Skip'} (known: 'skip', 'use')",
+        ),
+        (
+            {"kv_transfer_params": {"kvpool": True}},
+            "unknown kv_transfer_params {'kvpool': True} (known: 'skip', 'use')",
+        ),
+        ({"kv_transfer_params": "skip"}, ""),  # not a dict: another connector's, not ours
         ({"cache_salt": "s"}, "cache_salt"),
         ({"lora_request": object()}, "lora"),
         ({"prompt_token_ids": []}, "prompt embeddings"),
@@ -37,3 +47,21 @@ def request(**fields: Any) -> SimpleNamespace:
 )
 def test_passthrough_reason(fields: dict[str, Any], reason: str) -> None:
     assert _passthrough_reason(request(**fields)) == reason
+
+
+def test_an_unknown_kvpool_value_is_logged_once_per_value(caplog: pytest.LogCaptureFixture) -> None:
+    """The connector's scheduler side passes such a request by and says why once per value
+    (a flood of mistyped requests must not flood the log); nothing of it reaches the pool
+    (``_logic`` is a stand-in that fails if called)."""
+    from kvpool.connectors.vllm_engine import build_vllm_class
+
+    connector = object.__new__(build_vllm_class())  # no engine: only the fields this path reads
+    connector._logic = SimpleNamespace()  # any call into the pool logic would fail
+    connector._passthrough, connector._warned_params = set(), set()
+    with caplog.at_level("WARNING", logger="kvpool.connectors.vllm"):
+        for i, value in enumerate(["Skip", "Skip", "skp", "skip", "Skip"]):
+            req = request(request_id=f"r{i}", kv_transfer_params={"kvpool": value})
+            assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
+    warned = [r.getMessage() for r in caplog.records if "unknown kv_transfer_params" in r.getMessage()]
+    assert len(warned) == 2 and "'Skip'" in warned[0] and "'skp'" in warned[1]
+    assert connector._passthrough == {f"r{i}" for i in range(5)}
