@@ -12,8 +12,8 @@
   requests may carry the connector's ``kv_transfer_params`` (``{"kvpool": "skip"}``); the
   engine takes ~30 s to start, so tests run several phases in one engine instead of
   starting many. With the kvpool connector's ``stats_path``, each phase also records the
-  connector's own time in it (``connector_s``, and by kind in ``connector``: exact when the
-  phase settles over a second).
+  connector's own time in it (``connector_s``, and by kind in ``connector``; when that is
+  exact: ``connector_times``).
 
 vLLM and transformers are imported inside the functions that use them.
 """
@@ -116,8 +116,12 @@ def connector_times(stats_path: str) -> dict[str, float]:
     """The kvpool connector's own time so far, by kind (``CONNECTOR_TIMES``: loads and saves
     on the engine step, the scheduler's lookups), summed over its scheduler and worker from
     the counters it writes at ``stats_path``.<role>.json (0 before the first write or without
-    ``stats_path``). The connector writes them at most once a second, after a step: read
-    more than a second after the engine's last step and a phase's end, they are current."""
+    ``stats_path``). The connector writes them at a step, at most once a second, so a read
+    sees them as of the last step that wrote: a phase that starts over a second after the
+    last write (``settle_s``) gets its first step's work; the work of a later step of it
+    shows in the next phase's figure. Exact for phases whose connector work is all in their
+    first step (one prompt prefilled in one step, ``max_tokens`` 1, as in
+    tools/bench_vllm.py, which checks it: its prompts that skip the pool must read 0)."""
     total = dict.fromkeys(CONNECTOR_TIMES, 0.0)
     for role in ("scheduler", "worker"):
         path = Path(f"{stats_path}.{role}.json")
@@ -153,8 +157,6 @@ def run_script(args: argparse.Namespace) -> None:
     if args.kv_transfer_config:
         engine_args["kv_transfer_config"] = json.loads(args.kv_transfer_config)
         stats_path = engine_args["kv_transfer_config"].get("kv_connector_extra_config", {}).get("stats_path", "")
-    if args.no_hybrid_kv_cache_manager:
-        engine_args["disable_hybrid_kv_cache_manager"] = True
     t0 = time.perf_counter()
     llm = LLM(**engine_args)
     results: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
@@ -208,11 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kv-transfer-config", default="", help="JSON; empty = vLLM without the pool")
     run.add_argument("--max-model-len", type=int, default=4096)
     run.add_argument("--no-prefix-caching", action="store_true")
-    run.add_argument(
-        "--no-hybrid-kv-cache-manager",
-        action="store_true",
-        help="as vLLM runs with a KV connector that does not support it (a baseline on the same footing)",
-    )
     run.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":

@@ -34,6 +34,9 @@ def run_schedule(scripts: dict[str, list[dict[str, Any]]], outs: dict[str, Path]
             and (not phases[next_phase[e]]["wait_for"] or phases[next_phase[e]]["wait_for"] in done)
         ]
         assert ready, f"deadlock after {order}"
+        # never two timed prompts at once: at most one engine may start one now
+        timed = [e for e in ready if scripts[e][next_phase[e]]["name"].startswith(("zero", "use", "skip"))]
+        assert len(timed) <= 1, f"{timed} could both start a timed phase after {order}"
         engine = ready[0]
         phase = scripts[engine][next_phase[engine]]
         order.append((engine, phase["name"]))
