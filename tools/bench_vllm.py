@@ -69,6 +69,7 @@ from typing import Any
 
 from bench_reuse import start_daemon  # tools/ is on sys.path when a tool runs as a script
 
+from kvpool.connectors.vllm_testing import CONNECTOR_TIMES, connector_counters, make_tiny_model
 from kvpool.daemon.cluster_local import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,8 +318,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the zero-hit row needs --zero-prompts and --zero-pairs of at least 1")
     if min(args.zero_control, args.reserved_cpus, args.probes) < 0 or args.settle_s < 0:
         parser.error("--zero-control, --reserved-cpus, --probes and --settle-s cannot be negative")
-    from kvpool.connectors.vllm_testing import make_tiny_model
-
     work = Path(tempfile.mkdtemp(prefix="kvpool-bench-vllm-"))
     model = make_tiny_model(work / "bench-llama", **BENCH_MODEL)
     turns = workload(1, args.systems, args.convs, args.turns)
@@ -436,16 +435,19 @@ def connector_time(out: dict[str, Any], stats: Path, who: str, result: dict[str,
     (scheduler lookups + worker loads and gathers) against that engine's time in generate calls
     to ``out``'s sums. Both include the warmup: the counters cover every request."""
     spent_s = 0.0
-    for role in ("scheduler", "worker"):
-        path = Path(f"{stats}.{role}.json")
-        if path.exists():
-            counters = json.loads(path.read_text())
-            out[f"connector_{who}_{role}"] = counters
-            spent_s += counters["load_s"] + counters["save_s"] + counters["scheduler_s"]
+    for role, counters in connector_counters(str(stats)).items():
+        out[f"connector_{who}_{role}"] = counters
+        spent_s += sum(counters[kind] for kind in CONNECTOR_TIMES)
     if spent_s:
-        out["connector_s"] = out.get("connector_s", 0.0) + spent_s
-        out["engine_s"] = out.get("engine_s", 0.0) + sum(p["seconds"] for p in result["phases"])
-        out["connector_share"] = out["connector_s"] / out["engine_s"]
+        add_connector_share(out, spent_s, sum(p["seconds"] for p in result["phases"]))
+
+
+def add_connector_share(out: dict[str, Any], connector_s: float, engine_s: float) -> None:
+    """Add to ``out``'s sums of the connector's own time and the engine's time in generate
+    calls, and their ratio (``connector_share``)."""
+    out["connector_s"] = out.get("connector_s", 0.0) + connector_s
+    out["engine_s"] = out.get("engine_s", 0.0) + engine_s
+    out["connector_share"] = out["connector_s"] / out["engine_s"]
 
 
 def run_zero_hit(
@@ -523,15 +525,10 @@ def summarize_zero_hit(results: list[dict[str, Any]]) -> dict[str, Any]:
         if phases:
             mine_s = [p["connector_s"] for p in phases]
             out["pairs"][-1]["connector_ms"] = [1e3 * s for s in mine_s]
-            kinds = sorted({kind for p in phases for kind in p.get("connector", {})})
-            if kinds:  # per kind (load_s, save_s, scheduler_s): the median ms per prompt
-                by_kind = {
-                    k: statistics.median(1e3 * p.get("connector", {}).get(k, 0.0) for p in phases) for k in kinds
-                }
-                out["pairs"][-1]["connector_median_ms"] = by_kind
-            out["connector_s"] = out.get("connector_s", 0.0) + sum(mine_s)
-            out["engine_s"] = out.get("engine_s", 0.0) + sum(p["seconds"] for p in phases)
-            out["connector_share"] = out["connector_s"] / out["engine_s"]
+            # per kind (load_s, save_s, scheduler_s): the median ms per prompt
+            by_kind = {k: statistics.median(1e3 * p["connector"][k] for p in phases) for k in CONNECTOR_TIMES}
+            out["pairs"][-1]["connector_median_ms"] = by_kind
+            add_connector_share(out, sum(mine_s), sum(p["seconds"] for p in phases))
     out.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
     if own_ratios:
         out.update(own_ratio=statistics.median(own_ratios), own_min=min(own_ratios), own_max=max(own_ratios))
@@ -552,9 +549,8 @@ def print_zero_hit(r: dict[str, Any], control: str = "") -> None:
         if pair.get("connector_ms"):
             ms = pair["connector_ms"]
             line += f"; connector's own time per prompt {statistics.median(ms):.1f} ms ({min(ms):.1f}-{max(ms):.1f})"
-            kinds = pair.get("connector_median_ms", {})
-            if kinds:
-                line += " [medians: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in kinds.items()) + "]"
+            kinds = pair["connector_median_ms"].items()
+            line += " [medians: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in kinds) + "]"
         print(line)
     spread = f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
     line = f"{ZERO_HIT:>12}: {label}every prompt of every pair: {second} / alone {r['ratio']:.3f} {spread}"

@@ -112,29 +112,30 @@ def _wait_for(path: str, timeout_s: float) -> None:
 CONNECTOR_TIMES = ("load_s", "save_s", "scheduler_s")
 
 
-def connector_times(stats_path: str) -> dict[str, float]:
-    """The kvpool connector's own time so far, by kind (``CONNECTOR_TIMES``: loads and saves
-    on the engine step, the scheduler's lookups), summed over its scheduler and worker from
-    the counters it writes at ``stats_path``.<role>.json (0 before the first write or without
-    ``stats_path``). The connector writes them at a step, at most once a second, so a read
-    sees them as of the last step that wrote: a phase that starts over a second after the
-    last write (``settle_s``) gets its first step's work; the work of a later step of it
-    shows in the next phase's figure. Exact for phases whose connector work is all in their
-    first step (one prompt prefilled in one step, ``max_tokens`` 1, as in
-    tools/bench_vllm.py, which checks it: its prompts that skip the pool must read 0)."""
-    total = dict.fromkeys(CONNECTOR_TIMES, 0.0)
+def connector_counters(stats_path: str) -> dict[str, dict[str, Any]]:
+    """The kvpool connector's counters (``kvpool.connectors.vllm.ConnectorStats``) by role,
+    "scheduler" and "worker", as it last wrote them at ``stats_path``.<role>.json (a role
+    that has not written yet, or no ``stats_path``, is left out)."""
+    counters: dict[str, dict[str, Any]] = {}
     for role in ("scheduler", "worker"):
         path = Path(f"{stats_path}.{role}.json")
         if stats_path and path.exists():
-            counters = json.loads(path.read_text())
-            for kind in CONNECTOR_TIMES:
-                total[kind] += counters[kind]
-    return total
+            counters[role] = json.loads(path.read_text())
+    return counters
 
 
-def connector_seconds(stats_path: str) -> float:
-    """All of ``connector_times``."""
-    return sum(connector_times(stats_path).values())
+def connector_times(stats_path: str) -> dict[str, float]:
+    """The kvpool connector's own time so far, by kind (``CONNECTOR_TIMES``: loads and saves
+    on the engine step, the scheduler's lookups), summed over its scheduler and worker
+    (``connector_counters``; 0 before the first write). The connector writes them at a
+    step, at most once a second, so a read sees them as of the last step that wrote: a phase
+    that starts over a second after the last write (``settle_s``) gets its first step's
+    work; the work of a later step of it shows in the next phase's figure. Exact for phases
+    whose connector work is all in their first step (one prompt prefilled in one step,
+    ``max_tokens`` 1, as in tools/bench_vllm.py, which checks it: its prompts that skip the
+    pool must read 0)."""
+    by_role = connector_counters(stats_path).values()
+    return {kind: sum(counters[kind] for counters in by_role) for kind in CONNECTOR_TIMES}
 
 
 def run_script(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 from bench_vllm import SKIP, WARMUP, summarize_zero_hit, zero_hit_phases
 
-from kvpool.connectors.vllm_testing import connector_seconds, connector_times
+from kvpool.connectors.vllm_testing import connector_counters, connector_times
 
 
 def run_schedule(scripts: dict[str, list[dict[str, Any]]], outs: dict[str, Path]) -> list[tuple[str, str]]:
@@ -128,13 +128,15 @@ def test_a_hit_in_the_kvpool_engine_is_reported() -> None:
     assert out["kvpool_cached_tokens"] == 2304
 
 
-def test_connector_seconds_sums_both_roles_and_is_zero_before_the_first_write(tmp_path: Path) -> None:
+def test_connector_times_sum_both_roles_and_are_zero_before_the_first_write(tmp_path: Path) -> None:
     stats = tmp_path / "stats"
-    assert connector_seconds(str(stats)) == 0.0
-    assert connector_seconds("") == 0.0
-    counters = {"load_s": 0.5, "save_s": 0.25, "scheduler_s": 0.0}
+    zero = {"load_s": 0.0, "save_s": 0.0, "scheduler_s": 0.0}
+    assert connector_times(str(stats)) == zero and connector_counters(str(stats)) == {}
+    assert connector_times("") == zero
+    counters = {"load_s": 0.5, "save_s": 0.25, "scheduler_s": 0.0, "lookups": 3}
     Path(f"{stats}.worker.json").write_text(json.dumps(counters))
-    assert connector_seconds(str(stats)) == pytest.approx(0.75)
+    assert sum(connector_times(str(stats)).values()) == pytest.approx(0.75)
     Path(f"{stats}.scheduler.json").write_text(json.dumps({"load_s": 0.0, "save_s": 0.0, "scheduler_s": 0.125}))
-    assert connector_seconds(str(stats)) == pytest.approx(0.875)
+    assert sum(connector_times(str(stats)).values()) == pytest.approx(0.875)
     assert connector_times(str(stats)) == pytest.approx({"load_s": 0.5, "save_s": 0.25, "scheduler_s": 0.125})
+    assert connector_counters(str(stats))["worker"] == counters  # every counter, as written

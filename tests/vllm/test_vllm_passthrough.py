@@ -65,3 +65,14 @@ def test_an_unknown_kvpool_value_is_logged_once_per_value(caplog: pytest.LogCapt
     warned = [r.getMessage() for r in caplog.records if "unknown kv_transfer_params" in r.getMessage()]
     assert len(warned) == 2 and "'Skip'" in warned[0] and "'skp'" in warned[1]
     assert connector._passthrough == {f"r{i}" for i in range(5)}
+
+
+def test_the_benchmark_skips_with_the_connectors_own_parameter() -> None:
+    """tools/bench_vllm.py keeps a copy (it runs without importing vLLM): the same value."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    from bench_vllm import SKIP
+
+    assert SKIP == SKIP_PARAMS
